@@ -1,0 +1,216 @@
+"""Frozen, validated configuration dataclasses.
+
+Letters (see ``../shared/design.md``): T tokens, D model dim, F expert hidden dim,
+E experts, K experts per token, C capacity.
+
+Every field is checked when the dataclass is built, so a bad value raises a
+``ValueError`` naming the field and the allowed values long before ``jit``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+
+ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid", "expert_choice")
+ACTIVATIONS = ("swiglu", "geglu", "gelu")
+DROP_POLICIES = ("position", "probability")
+
+
+def _fail(field: str, value: Any, allowed: str) -> None:
+    raise ValueError(f"MoEConfig.{field}={value!r} is invalid: {allowed}")
+
+
+def _check_dtype(field: str, value: Any) -> None:
+    if value is None:
+        return
+    try:
+        jnp.dtype(value)
+    except TypeError:
+        _fail(field, value, "use a JAX dtype such as 'float32' or 'bfloat16'")
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+    """What the pure routing functions in ``aristax.routing`` need, nothing more.
+
+    Built from a ``MoEConfig`` by ``MoEConfig.router_config``; see ``MoEConfig`` for
+    the meaning of each field.
+    """
+
+    num_experts: int
+    top_k: int
+    router: str = "softmax_topk"
+    normalize_weights: bool = False
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    expert_capacity_factor: float = 1.0
+    jitter_eps: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Configuration of one MoE layer.
+
+    Attributes:
+      num_experts: E, routed experts.
+      top_k: K, experts per token. For ``router="expert_choice"`` it is the average
+        number of experts per token: each expert takes ``C = ceil(capacity * T * K / E)``
+        tokens, where ``capacity`` is ``capacity_factor`` (1.0 when None).
+      d_model: D, the token width (the last dimension of ``x``).
+      d_ff: F, the hidden width of each routed expert.
+      activation: "swiglu" (silu(x Wg) * x Wu), "geglu" (gelu(x Wg) * x Wu) or
+        "gelu" (gelu(x Wu)).
+      router: "softmax_topk" (softmax over E, then top-k; Mixtral/Switch),
+        "topk_softmax" (top-k logits, then softmax over the K), "sigmoid" (sigmoid
+        scores; DeepSeek-V3), "expert_choice" (each expert picks its tokens; Zhou et
+        al. 2022).
+      normalize_weights: renormalise the K combine weights to sum to 1 (Mixtral,
+        DeepSeek-V3). Ignored by "topk_softmax", whose weights always sum to 1.
+      num_groups, topk_groups: group-limited routing (DeepSeek-V3): experts are split
+        into ``num_groups`` equal groups, each scored by the sum of its two best
+        selection scores, and tokens choose experts only inside their
+        ``topk_groups`` best groups. ``num_groups=1`` disables it.
+      routed_scaling_factor: multiplies the routed combine weights (DeepSeek-V3).
+      bias_update_rate: > 0 enables aux-loss-free balancing (DeepSeek-V3): a per-expert
+        bias, added to the scores for *selection only*, updated by
+        ``bias += rate * sign(mean_load - load)``; the optimizer never sees it.
+      capacity_factor: None = dropless. Otherwise C = ceil(capacity_factor * T * K / E)
+        assignments per expert; the rest are dropped, counted and reported.
+      drop_policy: which assignments keep their slot when an expert overflows:
+        "position" (top-1 choices of all tokens first, then top-2, ..., in token order;
+        GShard) or "probability" (highest routing weight first; V-MoE's batch
+        prioritized routing).
+      num_shared_experts: dense experts applied to every token (DeepSeek), fused into
+        one MLP of width ``num_shared_experts * (shared_d_ff or d_ff)``.
+      shared_d_ff: width of one shared expert (default ``d_ff``).
+      router_jitter: multiplicative noise U(1-eps, 1+eps) on the router input during
+        training (Switch Transformer, Mixtral's ``router_jitter_noise``).
+      lb_loss_coef: weight of the Switch/GShard load-balancing loss in ``aux["loss"]``.
+      seq_aux_loss_coef: weight of the sequence-wise balance loss (DeepSeek-V3).
+      z_loss_coef: weight of the router z-loss (ST-MoE).
+      dtype: compute dtype of the expert MLPs (None: the dtype of ``x``). Router math
+        runs in float32; GEMMs accumulate in float32.
+      param_dtype: dtype of the parameters.
+      implementation: backend name or ordered list of names for
+        ``aristax.pallas_kernels`` ops (None: the best available, falling back to the
+        reference).
+      debug_checks: raise when router logits are not finite (otherwise such tokens are
+        routed nowhere and counted in ``aux["nonfinite_tokens"]``).
+    """
+
+    num_experts: int
+    top_k: int
+    d_model: int
+    d_ff: int
+    activation: str = "swiglu"
+    router: str = "softmax_topk"
+    normalize_weights: bool = False
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    bias_update_rate: float = 0.0
+    capacity_factor: float | None = None
+    drop_policy: str = "position"
+    num_shared_experts: int = 0
+    shared_d_ff: int | None = None
+    router_jitter: float = 0.0
+    lb_loss_coef: float = 0.01
+    seq_aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+    dtype: Any = None
+    param_dtype: Any = "float32"
+    implementation: str | Sequence[str] | None = None
+    debug_checks: bool = False
+
+    def __post_init__(self):
+        for name in ("num_experts", "d_model", "d_ff"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                _fail(name, value, "must be a positive integer")
+        E, K = self.num_experts, self.top_k
+        if not isinstance(K, int) or not 1 <= K <= E:
+            _fail("top_k", K, f"must be an integer in [1, num_experts={E}]")
+        if self.router not in ROUTERS:
+            _fail("router", self.router, f"choose one of {ROUTERS}")
+        if self.activation not in ACTIVATIONS:
+            _fail("activation", self.activation, f"choose one of {ACTIVATIONS}")
+        if self.drop_policy not in DROP_POLICIES:
+            _fail("drop_policy", self.drop_policy, f"choose one of {DROP_POLICIES}")
+        G = self.num_groups
+        if not isinstance(G, int) or G < 1 or E % G:
+            _fail("num_groups", G, f"must be a positive integer dividing num_experts={E}")
+        if not isinstance(self.topk_groups, int) or not 1 <= self.topk_groups <= G:
+            _fail("topk_groups", self.topk_groups, f"must be an integer in [1, num_groups={G}]")
+        if G > 1 and K > self.topk_groups * (E // G):
+            _fail("top_k", K, f"must be <= topk_groups * experts per group = "
+                  f"{self.topk_groups * (E // G)} with group-limited routing")
+        if G > 1 and self.router == "expert_choice":
+            _fail("num_groups", G, "group-limited routing needs a token-choice router; use 1")
+        if self.capacity_factor is not None and not (
+            isinstance(self.capacity_factor, (int, float)) and self.capacity_factor > 0
+        ):
+            _fail("capacity_factor", self.capacity_factor, "use None (dropless) or a number > 0")
+        for name in ("bias_update_rate", "router_jitter", "lb_loss_coef",
+                     "seq_aux_loss_coef", "z_loss_coef"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value < 0 or not math.isfinite(value):
+                _fail(name, value, "must be a finite number >= 0")
+        if self.router_jitter >= 1:
+            _fail("router_jitter", self.router_jitter, "must be in [0, 1)")
+        if self.bias_update_rate > 0 and self.router == "expert_choice":
+            _fail("bias_update_rate", self.bias_update_rate,
+                  "aux-loss-free balancing needs a token-choice router; use 0")
+        if not isinstance(self.num_shared_experts, int) or self.num_shared_experts < 0:
+            _fail("num_shared_experts", self.num_shared_experts, "must be an integer >= 0")
+        if self.shared_d_ff is not None and (
+            not isinstance(self.shared_d_ff, int) or self.shared_d_ff < 1
+        ):
+            _fail("shared_d_ff", self.shared_d_ff, "use None (= d_ff) or a positive integer")
+        _check_dtype("dtype", self.dtype)
+        _check_dtype("param_dtype", self.param_dtype)
+
+    @property
+    def router_config(self) -> RouterConfig:
+        return RouterConfig(
+            num_experts=self.num_experts,
+            top_k=self.top_k,
+            router=self.router,
+            normalize_weights=self.normalize_weights,
+            num_groups=self.num_groups,
+            topk_groups=self.topk_groups,
+            routed_scaling_factor=self.routed_scaling_factor,
+            expert_capacity_factor=1.0 if self.capacity_factor is None else self.capacity_factor,
+            jitter_eps=self.router_jitter,
+        )
+
+    @property
+    def shared_width(self) -> int:
+        """Hidden width of the fused shared-expert MLP (0 when there is none)."""
+        return self.num_shared_experts * (self.shared_d_ff or self.d_ff)
+
+    def capacity(self, num_tokens: int) -> int | None:
+        """C = ceil(capacity_factor * T * K / E), or None when dropless."""
+        if self.capacity_factor is None:
+            return None
+        return expert_capacity(num_tokens, self.top_k, self.num_experts, self.capacity_factor)
+
+    def replace(self, **changes) -> MoEConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def accumulation_dtype(*dtypes) -> jnp.dtype:
+    """float64 if any input is float64, else float32: the dtype sums and router math
+    run in (bf16/f16/f32 inputs accumulate in float32)."""
+    return jnp.dtype(jnp.float64 if any(jnp.dtype(d) == jnp.float64 for d in dtypes)
+                     else jnp.float32)
+
+
+def expert_capacity(num_tokens: int, top_k: int, num_experts: int, factor: float) -> int:
+    """C = ceil(factor * T * K / E) (GShard), at least 1."""
+    return max(1, math.ceil(factor * num_tokens * top_k / num_experts))

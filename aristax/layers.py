@@ -1,0 +1,161 @@
+"""Flax NNX modules: thin owners of parameters around the pure ``aristax.moe``.
+
+Letters: D model dim, F expert hidden dim, E experts, Fs shared hidden dim.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx import bridge
+
+from aristax import routing as routing_lib
+from aristax.config import MoEConfig
+from aristax.moe import MoEParams, moe
+from aristax.sharding import sharded_param
+
+# Fan-in scaling of a stacked [E, in, out] weight: each expert on its own.
+_expert_init = nnx.initializers.variance_scaling(
+    1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,)
+)
+_dense_init = nnx.initializers.lecun_normal()
+
+
+class BalanceBias(nnx.Variable):
+    """Aux-loss-free balancing bias [E]: changed by ``MoE.update_balance_bias``, never
+    by the optimizer (it is not an ``nnx.Param``)."""
+
+
+class Router(nnx.Module):
+    """Router weight [D, E] and, with aux-loss-free balancing, its bias [E]."""
+
+    def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
+        D, E = config.d_model, config.num_experts
+        self.weight_de = sharded_param(
+            "router_weight_de", nnx.initializers.normal(0.02), rngs, (D, E), config.param_dtype
+        )
+        self.balance_bias_e = (
+            BalanceBias(jnp.zeros((E,), jnp.float32)) if config.bias_update_rate > 0 else None
+        )
+
+
+class Experts(nnx.Module):
+    """E stacked expert MLPs: gate_edf/up_edf [E, D, F], down_efd [E, F, D]."""
+
+    def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
+        E, D, F, dt = config.num_experts, config.d_model, config.d_ff, config.param_dtype
+        self.gate_edf = (
+            None if config.activation == "gelu"
+            else sharded_param("ffw_gate_edf", _expert_init, rngs, (E, D, F), dt)
+        )
+        self.up_edf = sharded_param("ffw_up_edf", _expert_init, rngs, (E, D, F), dt)
+        self.down_efd = sharded_param("ffw_down_efd", _expert_init, rngs, (E, F, D), dt)
+
+
+class SharedExperts(nnx.Module):
+    """The shared experts fused into one dense MLP: gate_df/up_df [D, Fs], down_fd [Fs, D]."""
+
+    def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
+        D, Fs, dt = config.d_model, config.shared_width, config.param_dtype
+        self.gate_df = (
+            None if config.activation == "gelu"
+            else sharded_param("shared_gate_df", _dense_init, rngs, (D, Fs), dt)
+        )
+        self.up_df = sharded_param("shared_up_df", _dense_init, rngs, (D, Fs), dt)
+        self.down_fd = sharded_param("shared_down_fd", _dense_init, rngs, (Fs, D), dt)
+
+
+def _value(param: nnx.Variable | None) -> jax.Array | None:
+    return None if param is None else param[...]
+
+
+class MoE(nnx.Module):
+    """A Mixture-of-Experts layer: ``y, aux = moe(x)`` for x[..., D].
+
+    ``aux`` holds ``loss`` (the weighted auxiliary losses to add to the training loss),
+    lb_loss, seq_aux_loss, z_loss, expert_load[E], dropped_fraction, num_dropped,
+    nonfinite_tokens and router_logits[..., E]; see ``aristax.moe.moe``.
+
+    Router jitter is applied while ``deterministic`` is False (``module.train()``)
+    and ``config.router_jitter > 0``; ``module.eval()`` turns it off.
+    """
+
+    def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.router = Router(config, rngs=rngs)
+        self.experts = Experts(config, rngs=rngs)
+        self.shared_experts = (
+            SharedExperts(config, rngs=rngs) if config.num_shared_experts else None
+        )
+        self.jitter_rngs = rngs.fork() if config.router_jitter > 0 else None
+        self.deterministic = False
+
+    def params(self) -> MoEParams:
+        shared = self.shared_experts
+        return MoEParams(
+            router_de=self.router.weight_de[...],
+            gate_edf=_value(self.experts.gate_edf),
+            up_edf=self.experts.up_edf[...],
+            down_efd=self.experts.down_efd[...],
+            shared_gate_df=None if shared is None else _value(shared.gate_df),
+            shared_up_df=None if shared is None else shared.up_df[...],
+            shared_down_fd=None if shared is None else shared.down_fd[...],
+        )
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        cfg = self.config
+        if x.ndim < 1 or x.shape[-1] != cfg.d_model:
+            raise ValueError(
+                f"x has shape {x.shape}, but MoEConfig.d_model={cfg.d_model}: the last "
+                "dimension of x must equal d_model"
+            )
+        lead = x.shape[:-1]
+        seq_len = lead[-1] if len(lead) >= 2 else None
+        use_jitter = self.jitter_rngs is not None and not self.deterministic
+        bias = self.router.balance_bias_e
+        y, aux = moe(
+            x.reshape(-1, cfg.d_model), self.params(), cfg,
+            bias=None if bias is None else bias[...],
+            jitter_rng=self.jitter_rngs() if use_jitter else None,
+            seq_len=seq_len,
+        )
+        aux["router_logits"] = aux["router_logits"].reshape(*lead, cfg.num_experts)
+        if cfg.debug_checks:
+            _raise_if_nonfinite(aux["nonfinite_tokens"])
+        return y.reshape(x.shape[:-1] + y.shape[-1:]), aux
+
+    def update_balance_bias(self, expert_load: jax.Array) -> None:
+        """Aux-loss-free balancing step from the last step's ``aux["expert_load"]``."""
+        if self.router.balance_bias_e is None:
+            raise ValueError(
+                "update_balance_bias needs MoEConfig.bias_update_rate > 0 (it is 0)"
+            )
+        bias = self.router.balance_bias_e
+        bias[...] = routing_lib.update_balance_bias(
+            bias[...], expert_load, self.config.bias_update_rate
+        )
+
+
+def _raise_if_nonfinite(count: jax.Array) -> None:
+    """Raise (also under jit, through a host callback) when router logits were NaN/inf."""
+
+    def check(n):
+        if int(n) > 0:
+            raise FloatingPointError(
+                f"{int(n)} tokens have non-finite router logits (MoEConfig.debug_checks)"
+            )
+
+    if isinstance(count, jax.core.Tracer):
+        jax.debug.callback(check, count)
+    else:
+        check(count)
+
+
+def moe_linen(config: MoEConfig, *, name: str | None = None):
+    """The ``MoE`` layer as a Flax Linen module (through ``flax.nnx.bridge``).
+
+    Use inside a Linen model: ``y, aux = moe_linen(cfg)(x)``; its parameters live in
+    the "params" collection, and ``init`` needs a "params" RNG.
+    """
+    return bridge.to_linen(MoE, config, name=name)

@@ -1,0 +1,125 @@
+"""The MoE layer as one pure function: route -> dispatch -> experts -> combine.
+
+Letters: T tokens, D model dim, F expert hidden dim, E experts, K experts per token,
+C capacity, S sequence length.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from aristax import dispatch as dispatch_lib
+from aristax import routing as routing_lib
+from aristax.config import MoEConfig, accumulation_dtype
+from aristax.experts import dense_mlp, expert_mlp
+
+
+@flax.struct.dataclass
+class MoEParams:
+    """The arrays of one MoE layer.
+
+    Attributes:
+      router_de: [D, E] router weight.
+      up_edf: [E, D, F]; gate_edf: [E, D, F] or None ("gelu"); down_efd: [E, F, D].
+      shared_up_df, shared_gate_df: [D, Fs]; shared_down_fd: [Fs, D] (None when there
+        are no shared experts; Fs = num_shared_experts * shared_d_ff).
+    """
+
+    router_de: jax.Array
+    up_edf: jax.Array
+    down_efd: jax.Array
+    gate_edf: jax.Array | None = None
+    shared_up_df: jax.Array | None = None
+    shared_down_fd: jax.Array | None = None
+    shared_gate_df: jax.Array | None = None
+
+
+def router_logits(x: jax.Array, router_de: jax.Array) -> jax.Array:
+    """[T, E] = x[T, D] @ router_de[D, E], in float32 (float64 for float64 x)."""
+    dtype = accumulation_dtype(x.dtype)
+    return jnp.dot(x.astype(dtype), router_de.astype(dtype))
+
+
+def make_dispatch(
+    routing: routing_lib.Routing, config: MoEConfig
+) -> dispatch_lib.Dispatch:
+    """Dropless, capacity, or (expert choice) exactly the experts' picks."""
+    T = routing.expert_ids.shape[0]
+    if config.router == "expert_choice":
+        # Each expert holds exactly its C picks, in token order: nothing is dropped.
+        C = routing_lib.expert_choice_capacity(T, config.router_config)
+        return dispatch_lib.capacity_dispatch(routing, C, "position")
+    C = config.capacity(T)
+    if C is None:
+        return dispatch_lib.dropless_dispatch(routing)
+    return dispatch_lib.capacity_dispatch(routing, C, config.drop_policy)
+
+
+def moe(
+    x: jax.Array,
+    params: MoEParams,
+    config: MoEConfig,
+    *,
+    bias: jax.Array | None = None,
+    jitter_rng: jax.Array | None = None,
+    seq_len: int | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """One MoE layer on a flat batch of tokens.
+
+    Args:
+      x: [T, D] tokens.
+      params: ``MoEParams``.
+      config: the layer's ``MoEConfig``.
+      bias: float32[E] aux-loss-free balancing bias (selection only), or None.
+      jitter_rng: PRNG key; when given and ``config.router_jitter > 0`` the router
+        input is multiplied by U(1-eps, 1+eps) noise (the experts see clean x).
+      seq_len: S for the sequence-wise balance loss (T % S == 0); None: one sequence.
+    Returns:
+      y: [T, D] in x's dtype (the compute dtype when ``config.dtype`` is set).
+      aux: dict with
+        loss: weighted sum of the auxiliary losses (add it to the training loss),
+        lb_loss, seq_aux_loss, z_loss: float32[],
+        expert_load: int32[E] routed assignments per expert (before drops),
+        dropped_fraction: float32[] dropped / routed assignments,
+        num_dropped: int32[], nonfinite_tokens: int32[] tokens with NaN/inf logits
+          (routed nowhere), router_logits: float32[T, E].
+    """
+    T = x.shape[0]
+    router_in = x
+    if jitter_rng is not None and config.router_jitter > 0:
+        router_in = routing_lib.apply_jitter(x, config.router_jitter, jitter_rng)
+    logits = router_logits(router_in, params.router_de)
+    routing = routing_lib.route(logits, config.router_config, bias=bias)
+    dispatch = make_dispatch(routing, config)
+
+    dtype = jnp.dtype(config.dtype) if config.dtype is not None else x.dtype
+    xc = x.astype(dtype)
+    rows = dispatch_lib.permute(xc, dispatch)
+    out_rows = expert_mlp(
+        rows, dispatch.group_sizes, params.gate_edf, params.up_edf, params.down_efd,
+        activation=config.activation, implementation=config.implementation,
+    )
+    y = dispatch_lib.combine(out_rows, dispatch, routing.weights)
+    if params.shared_up_df is not None:
+        y = y + dense_mlp(xc, params.shared_gate_df, params.shared_up_df,
+                          params.shared_down_fd, activation=config.activation)
+
+    finite = jnp.all(jnp.isfinite(logits), axis=-1)
+    lb = routing_lib.load_balancing_loss(routing)
+    z = routing_lib.router_z_loss(logits, finite)
+    seq = routing_lib.sequence_balance_loss(routing, seq_len or T)
+    aux = {
+        "loss": config.lb_loss_coef * lb + config.seq_aux_loss_coef * seq
+        + config.z_loss_coef * z,
+        "lb_loss": lb,
+        "seq_aux_loss": seq,
+        "z_loss": z,
+        "expert_load": routing.expert_load(),
+        "dropped_fraction": dispatch.dropped_fraction,
+        "num_dropped": dispatch.num_dropped,
+        "nonfinite_tokens": jnp.sum(~finite, dtype=jnp.int32),
+        "router_logits": logits,
+    }
+    return y.astype(dtype), aux

@@ -1,0 +1,219 @@
+"""Routing: router logits -> which experts each token visits, with what weight.
+
+Pure functions, no parameters. Letters: T tokens, E experts, K slots per token.
+Token-choice routers fill K = top_k slots per token. Expert choice fills K = E slots
+(slot e belongs to expert e) and marks the tokens each expert picked in ``mask``.
+
+Losses:
+  * ``load_balancing_loss``: Switch Transformer eq. 4 / GShard, in Hugging Face
+    Mixtral's normalisation.
+  * ``sequence_balance_loss``: DeepSeek-V3 eq. 17-20 (sequence-wise auxiliary loss).
+  * ``router_z_loss``: ST-MoE eq. 5.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from aristax.config import RouterConfig, accumulation_dtype
+
+
+@flax.struct.dataclass
+class Routing:
+    """Where each token goes.
+
+    Attributes:
+      expert_ids: int32[T, K] expert of each slot.
+      weights: float32[T, K] combine weight of each slot (0 where ``mask`` is False).
+      mask: bool[T, K] slot is assigned (False: not picked by expert choice, or the
+        token's logits were not finite). Capacity drops are decided later, in
+        ``aristax.dispatch``.
+      probs: float32[T, E] router probabilities used by the balancing losses
+        (softmax of the logits, or normalised sigmoid scores).
+      logits: float32[T, E] raw router logits.
+    """
+
+    expert_ids: jax.Array
+    weights: jax.Array
+    mask: jax.Array
+    probs: jax.Array
+    logits: jax.Array
+
+    @property
+    def num_experts(self) -> int:
+        return self.logits.shape[-1]
+
+    def expert_load(self) -> jax.Array:
+        """int32[E]: assignments per expert (before capacity drops)."""
+        onehot = jax.nn.one_hot(self.expert_ids, self.num_experts, dtype=jnp.int32)
+        return jnp.sum(onehot * self.mask[..., None].astype(jnp.int32), axis=(0, 1), dtype=jnp.int32)
+
+
+def apply_jitter(x: jax.Array, eps: float, rng: jax.Array) -> jax.Array:
+    """x * U(1 - eps, 1 + eps), elementwise (Switch Transformer; Mixtral jitter)."""
+    noise = jax.random.uniform(rng, x.shape, jnp.float32, 1.0 - eps, 1.0 + eps)
+    return (x.astype(jnp.float32) * noise).astype(x.dtype)
+
+
+def _limit_to_top_groups(select: jax.Array, num_groups: int, topk_groups: int) -> jax.Array:
+    """Mask selection scores outside each token's ``topk_groups`` best groups.
+
+    A group's score is the sum of its two best selection scores (DeepSeek-V3
+    ``n_group``/``topk_group``; one score when a group has one expert).
+
+    Args:
+      select: float32[T, E] selection scores.
+    Returns:
+      float32[T, E], -inf outside the chosen groups.
+    """
+    T, E = select.shape
+    grouped = select.reshape(T, num_groups, E // num_groups)
+    best = jax.lax.top_k(grouped, min(2, E // num_groups))[0]
+    group_score = jnp.sum(best, axis=-1)  # [T, G]
+    _, top_groups = jax.lax.top_k(group_score, topk_groups)  # [T, topk_groups]
+    keep = jnp.any(
+        top_groups[:, :, None] == jnp.arange(num_groups, dtype=jnp.int32)[None, None, :], axis=1
+    )  # [T, G]
+    keep = jnp.repeat(keep, E // num_groups, axis=1)
+    return jnp.where(keep, select, -jnp.inf)
+
+
+def _token_choice(
+    logits: jax.Array, cfg: RouterConfig, bias: jax.Array | None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Returns (ids[T,K], weights[T,K], probs[T,E]) for the token-choice routers."""
+    K = cfg.top_k
+    if cfg.router == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+        probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    else:
+        scores = probs = jax.nn.softmax(logits, axis=-1)
+    # topk_softmax ranks the logits; ranking softmax scores is the same order.
+    select = scores if bias is None else scores + bias.astype(scores.dtype)
+    if cfg.num_groups > 1:
+        select = _limit_to_top_groups(select, cfg.num_groups, cfg.topk_groups)
+    _, ids = jax.lax.top_k(select, K)
+    if cfg.router == "topk_softmax":
+        weights = jax.nn.softmax(jnp.take_along_axis(logits, ids, axis=-1), axis=-1)
+    else:
+        weights = jnp.take_along_axis(scores, ids, axis=-1)
+        if cfg.normalize_weights:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return ids, weights * cfg.routed_scaling_factor, probs
+
+
+def expert_choice_capacity(num_tokens: int, cfg: RouterConfig) -> int:
+    """C = ceil(capacity * T * K / E) tokens per expert under expert choice, in [1, T]."""
+    C = math.ceil(cfg.expert_capacity_factor * num_tokens * cfg.top_k / cfg.num_experts)
+    return min(num_tokens, max(1, C))
+
+
+def _expert_choice(
+    logits: jax.Array, cfg: RouterConfig, finite: jax.Array
+) -> tuple[jax.Array, ...]:
+    """Expert choice (Zhou et al. 2022): expert e takes the C tokens with the highest
+    probability for e, C = ceil(capacity * T * K / E) (at most T). Tokens with
+    ``finite`` False rank below every other token.
+
+    Returns (ids[T,E], weights[T,E], mask[T,E], probs[T,E]); slot e is expert e.
+    """
+    T, E = logits.shape
+    probs = jax.nn.softmax(logits, axis=-1)
+    C = expert_choice_capacity(T, cfg)
+    ranked = jnp.where(finite[:, None], probs, -1.0)
+    _, token_ids = jax.lax.top_k(ranked.T, C)  # [E, C]
+    mask = jnp.zeros((E, T), bool).at[jnp.arange(E, dtype=jnp.int32)[:, None], token_ids].set(True).T
+    ids = jnp.broadcast_to(jnp.arange(E, dtype=jnp.int32), (T, E))
+    weights = jnp.where(mask, probs, 0.0) * cfg.routed_scaling_factor
+    return ids, weights, mask, probs
+
+
+def route(
+    logits: jax.Array, cfg: RouterConfig, *, bias: jax.Array | None = None
+) -> Routing:
+    """Route tokens from their router logits.
+
+    Args:
+      logits: float[T, E] router logits (float32, or float64 when given).
+      cfg: the routing choices (``MoEConfig.router_config``).
+      bias: optional float32[E] aux-loss-free balancing bias; it changes which
+        experts are selected but never the combine weights (DeepSeek-V3 eq. 16).
+    Returns:
+      ``Routing``. Tokens whose logits are not all finite get ``mask`` False in every
+      slot, weight 0 and probs 0, so they go nowhere and cannot disturb the others.
+    """
+    logits = logits.astype(accumulation_dtype(logits.dtype))
+    finite = jnp.all(jnp.isfinite(logits), axis=-1)  # [T]
+    safe = jnp.where(finite[:, None], logits, 0.0)
+    if cfg.router == "expert_choice":
+        ids, weights, mask, probs = _expert_choice(safe, cfg, finite)
+        mask = mask & finite[:, None]
+    else:
+        ids, weights, probs = _token_choice(safe, cfg, bias)
+        mask = jnp.broadcast_to(finite[:, None], ids.shape)
+    weights = jnp.where(mask, weights, 0.0)
+    probs = jnp.where(finite[:, None], probs, 0.0)
+    return Routing(
+        expert_ids=ids.astype(jnp.int32), weights=weights, mask=mask, probs=probs,
+        logits=logits,
+    )
+
+
+def load_balancing_loss(routing: Routing) -> jax.Array:
+    """Switch Transformer eq. 4: E * sum_e f_e * P_e.
+
+    f_e = (assignments to e) / T, counted over all K slots (so a perfectly balanced
+    top-k router scores K, as in Hugging Face's ``load_balancing_loss_func``), and
+    P_e = mean router probability of e. Gradients flow through P only.
+    """
+    T, E = routing.probs.shape
+    f = routing.expert_load().astype(routing.probs.dtype) / T
+    P = jnp.mean(routing.probs, axis=0)
+    return E * jnp.sum(f * P)
+
+
+def sequence_balance_loss(routing: Routing, seq_len: int) -> jax.Array:
+    """DeepSeek-V3 sequence-wise balance loss (eq. 17-20), averaged over sequences.
+
+    Per sequence of length S: f_i = E / (K S) * (tokens of the sequence sent to i),
+    P_i = mean over the sequence of the normalised scores; loss = sum_i f_i P_i.
+    Tokens are split into consecutive sequences of ``seq_len`` (T % seq_len == 0).
+    """
+    T, E = routing.probs.shape
+    K = routing.expert_ids.shape[1]
+    dtype = routing.probs.dtype
+    onehot = jax.nn.one_hot(routing.expert_ids, E, dtype=dtype) * routing.mask[..., None].astype(dtype)
+    counts = jnp.sum(onehot, axis=1).reshape(T // seq_len, seq_len, E).sum(axis=1)
+    f = counts * (E / (K * seq_len))
+    P = routing.probs.reshape(T // seq_len, seq_len, E).mean(axis=1)
+    return jnp.mean(jnp.sum(f * P, axis=-1))
+
+
+def router_z_loss(logits: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    """ST-MoE eq. 5: mean over tokens of logsumexp(logits)^2.
+
+    Args:
+      logits: float[T, E].
+      mask: optional bool[T]; tokens with False are left out of the mean.
+    """
+    z = jax.nn.logsumexp(logits, axis=-1) ** 2
+    if mask is None:
+        return jnp.mean(z)
+    return jnp.sum(jnp.where(mask, z, 0.0)) / jnp.maximum(jnp.sum(mask), 1).astype(z.dtype)
+
+
+def update_balance_bias(bias: jax.Array, expert_load: jax.Array, rate: float) -> jax.Array:
+    """Aux-loss-free balancing update (DeepSeek-V3 section 2.1.2).
+
+    bias_e += rate * sign(mean_load - load_e): overloaded experts become less
+    attractive, underloaded ones more.
+
+    Args:
+      bias: float32[E]. expert_load: [E] assignments per expert in the last step.
+    """
+    load = expert_load.astype(jnp.float32)
+    return bias + rate * jnp.sign(jnp.mean(load) - load)

@@ -1,0 +1,9 @@
+"""Kernels for the MoE hot path, one op per folder, each behind one front door.
+
+Every op takes ``implementation=`` (a backend name or an ordered list); the default
+runs everywhere and falls back to the plain jnp/lax reference.
+"""
+
+from aristax.pallas_kernels.ragged_dot import ragged_dot
+
+__all__ = ["ragged_dot"]

@@ -1,0 +1,3 @@
+from aristax.pallas_kernels.ragged_dot.api import ragged_dot
+
+__all__ = ["ragged_dot"]

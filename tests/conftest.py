@@ -1,0 +1,25 @@
+"""Test-wide setup: 8 host CPU devices and strict dtype promotion.
+
+XLA_FLAGS must be set before jax initialises its backends, so this runs at import.
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip tests marked ``gpu`` when no GPU is present; nothing else is skipped."""
+    if any(d.platform == "gpu" for d in jax.devices()):
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,168 @@
+"""An independent, per-token reference MoE, written from the papers, not from aristax.
+
+Selection (which experts, which slots survive capacity) is decided in NumPy float64
+with plain loops; the forward pass is a Python loop over tokens and their experts in
+``jax.numpy`` so that ``jax.grad`` gives reference gradients (selection is piecewise
+constant, so its gradient is zero almost everywhere).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _np_softmax(z):
+    z = z - z.max(-1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(-1, keepdims=True)
+
+
+def _scores(logits, router):
+    if router == "sigmoid":
+        return 1.0 / (1.0 + np.exp(-logits))
+    return _np_softmax(logits)
+
+
+def allowed_experts(select_row, num_groups, topk_groups):
+    """Experts of the ``topk_groups`` groups with the best sum of their two top scores."""
+    E = select_row.shape[0]
+    size = E // num_groups
+    group_scores = []
+    for g in range(num_groups):
+        members = sorted(select_row[g * size:(g + 1) * size], reverse=True)
+        group_scores.append(sum(members[: min(2, size)]))
+    best = sorted(range(num_groups), key=lambda g: -group_scores[g])[:topk_groups]
+    return sorted(e for g in best for e in range(g * size, (g + 1) * size))
+
+
+def plan(x, router_de, cfg, bias=None):
+    """Which (token, expert, slot) assignments run, in NumPy.
+
+    Returns a dict: assignments [(t, e)] that are kept, routed count, dropped count,
+    load [E] (routed, before drops), and ids [T][*] chosen experts per token.
+    """
+    x = np.asarray(x, np.float64)
+    logits = x @ np.asarray(router_de, np.float64)
+    T, E = logits.shape
+    K = cfg.top_k
+    finite = np.all(np.isfinite(logits), axis=-1)
+    if cfg.router == "expert_choice":
+        probs = _np_softmax(np.where(finite[:, None], logits, 0.0))
+        factor = 1.0 if cfg.capacity_factor is None else cfg.capacity_factor
+        C = min(T, max(1, math.ceil(factor * T * K / E)))
+        chosen = [[] for _ in range(T)]
+        for e in range(E):
+            ranked = sorted((t for t in range(T) if finite[t]), key=lambda t: -probs[t, e])
+            for t in sorted(ranked[:C]):
+                chosen[t].append(e)
+        pairs = [(t, e) for t in range(T) for e in chosen[t]]
+        load = np.bincount([e for _, e in pairs], minlength=E)
+        return dict(kept=pairs, routed=len(pairs), dropped=0, load=load, ids=chosen)
+
+    ids = []
+    for t in range(T):
+        if not finite[t]:
+            ids.append([])
+            continue
+        select = _scores(logits[t], cfg.router)
+        if bias is not None:
+            select = select + np.asarray(bias, np.float64)
+        candidates = list(range(E))
+        if cfg.num_groups > 1:
+            candidates = allowed_experts(select, cfg.num_groups, cfg.topk_groups)
+        ids.append(sorted(candidates, key=lambda e: -select[e])[:K])
+    load = np.bincount([e for row in ids for e in row], minlength=E)
+    routed = int(load.sum())
+    if cfg.capacity_factor is None:
+        pairs = [(t, e) for t in range(T) for e in ids[t]]
+        return dict(kept=pairs, routed=routed, dropped=0, load=load, ids=ids)
+
+    C = max(1, math.ceil(cfg.capacity_factor * T * K / E))
+    slots = [(t, k) for t in range(T) for k in range(len(ids[t]))]
+    if cfg.drop_policy == "position":
+        slots.sort(key=lambda s: (s[1], s[0]))
+    else:
+        w = weights_np(logits, ids, cfg)
+        slots.sort(key=lambda s: (-w[s[0]][s[1]], s[0] * K + s[1]))
+    used = np.zeros(E, int)
+    kept = []
+    for t, k in slots:
+        e = ids[t][k]
+        if used[e] < C:
+            used[e] += 1
+            kept.append((t, e))
+    return dict(kept=sorted(kept), routed=routed, dropped=routed - len(kept), load=load, ids=ids)
+
+
+def _token_weights(logits_t, chosen, cfg, xnp):
+    """Combine weights of the chosen experts of one token (jnp, differentiable)."""
+    if cfg.router == "topk_softmax":
+        w = xnp.exp(logits_t[chosen] - xnp.max(logits_t[chosen]))
+        w = w / xnp.sum(w)
+    else:
+        if cfg.router == "sigmoid":
+            s = 1.0 / (1.0 + xnp.exp(-logits_t))
+        else:
+            s = xnp.exp(logits_t - xnp.max(logits_t))
+            s = s / xnp.sum(s)
+        w = s[chosen]
+        if cfg.normalize_weights and cfg.router != "expert_choice":
+            w = w / xnp.sum(w)
+    return w * cfg.routed_scaling_factor
+
+
+def weights_np(logits, ids, cfg):
+    return [list(_token_weights(logits[t], list(ids[t]), cfg, np)) if ids[t] else []
+            for t in range(len(ids))]
+
+
+_np_erf = np.vectorize(math.erf)
+
+
+def _act(h_gate, h_up, activation, xnp):
+    erf = jax.scipy.special.erf if xnp is jnp else _np_erf
+    gelu = lambda h: 0.5 * h * (1.0 + erf(h / math.sqrt(2.0)))
+    if activation == "gelu":
+        return gelu(h_up)
+    gate = h_gate / (1.0 + xnp.exp(-h_gate)) if activation == "swiglu" else gelu(h_gate)
+    return gate * h_up
+
+
+def forward(x, p, cfg, pl, xnp=np):
+    """y[T, D] by a loop over tokens and their kept experts.
+
+    ``p``: dict router_de, gate_edf, up_edf, down_efd, and optional shared_* arrays.
+    ``pl``: the output of ``plan``. ``xnp``: ``np`` (float64, fast) or ``jnp`` (for
+    ``jax.grad``).
+    """
+    if xnp is np:
+        x = np.asarray(x, np.float64)
+        p = {k: None if v is None else np.asarray(v, np.float64) for k, v in p.items()}
+    T = x.shape[0]
+    by_token = {t: [] for t in range(T)}
+    for t, e in pl["kept"]:
+        by_token[t].append(e)
+    out = []
+    for t in range(T):
+        xt = x[t]
+        yt = xnp.zeros_like(xt)
+        chosen = pl["ids"][t]
+        if chosen:
+            logits_t = xt @ p["router_de"]
+            w = _token_weights(logits_t, xnp.asarray(chosen), cfg, xnp)
+            for k, e in enumerate(chosen):
+                if e not in by_token[t]:
+                    continue  # dropped
+                gate = None if p.get("gate_edf") is None else xt @ p["gate_edf"][e]
+                h = _act(gate, xt @ p["up_edf"][e], cfg.activation, xnp)
+                yt = yt + w[k] * (h @ p["down_efd"][e])
+        if p.get("shared_up_df") is not None:
+            gate = None if p.get("shared_gate_df") is None else xt @ p["shared_gate_df"]
+            h = _act(gate, xt @ p["shared_up_df"], cfg.activation, xnp)
+            yt = yt + h @ p["shared_down_fd"]
+        out.append(yt)
+    return xnp.stack(out)

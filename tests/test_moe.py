@@ -1,0 +1,196 @@
+"""aristax.MoE against the per-token reference in tests/moe_reference.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import chex
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import moe_reference as ref
+from aristax import MoE, MoEConfig, MoEParams, moe
+
+ROUTER_CASES = {
+    "mixtral": dict(router="softmax_topk", normalize_weights=True),
+    "switch_top1": dict(router="softmax_topk", top_k=1),
+    "topk_softmax": dict(router="topk_softmax", top_k=3),
+    "sigmoid_groups": dict(router="sigmoid", normalize_weights=True, num_groups=4,
+                           topk_groups=2, routed_scaling_factor=2.5),
+    "expert_choice": dict(router="expert_choice", top_k=2),
+    "expert_choice_cf": dict(router="expert_choice", top_k=1, capacity_factor=1.5),
+}
+ACTIVATIONS = ("swiglu", "geglu", "gelu")
+
+
+def make(cfg: MoEConfig, seed: int = 0):
+    module = MoE(cfg, rngs=nnx.Rngs(seed))
+    # Larger router weights than the init so routing is decisive and varied.
+    module.router.weight_de[...] = jax.random.normal(
+        jax.random.key(seed + 100), module.router.weight_de.shape) * 0.5
+    return module
+
+
+def param_dict(module: MoE) -> dict:
+    p = module.params()
+    return {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
+
+
+@nnx.jit
+def apply(module, x):
+    return module(x)
+
+
+def check_against_reference(cfg, x, module=None, bias=None, atol=2e-5, rtol=2e-5):
+    module = module or make(cfg)
+    y, aux = apply(module, x)
+    p = param_dict(module)
+    pl = ref.plan(x, p["router_de"], cfg, bias=bias)
+    y_ref = ref.forward(x, p, cfg, pl)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), atol=atol, rtol=rtol)
+    np.testing.assert_array_equal(np.asarray(aux["expert_load"]), pl["load"])
+    assert int(aux["num_dropped"]) == pl["dropped"]
+    expected_fraction = pl["dropped"] / max(pl["routed"], 1)
+    np.testing.assert_allclose(float(aux["dropped_fraction"]), expected_fraction, rtol=1e-6)
+    return y, aux, pl
+
+
+@pytest.mark.parametrize("case", sorted(ROUTER_CASES))
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_forward_matches_per_token_loop(case, activation):
+    cfg = MoEConfig(num_experts=8, top_k=2, d_model=16, d_ff=24, activation=activation)
+    cfg = cfg.replace(**ROUTER_CASES[case])
+    x = jax.random.normal(jax.random.key(1), (13, 16))
+    check_against_reference(cfg, x)
+
+
+@pytest.mark.parametrize("policy", ["position", "probability"])
+@pytest.mark.parametrize("factor", [0.5, 1.0, 1.25])
+def test_capacity_drops_counted_exactly(policy, factor):
+    cfg = MoEConfig(num_experts=4, top_k=2, d_model=8, d_ff=16, normalize_weights=True,
+                    capacity_factor=factor, drop_policy=policy)
+    x = jax.random.normal(jax.random.key(2), (21, 8))
+    _, aux, pl = check_against_reference(cfg, x)
+    if factor < 1:
+        assert pl["dropped"] > 0  # the case really exercises drops
+
+
+def _steer(x, router_de, expert, strength):
+    """Feature 0 of x set to 5 and router row 0 pushing ``expert`` by ``strength``."""
+    x = x.at[:, 0].set(5.0)
+    return x, router_de.at[0, expert].set(strength)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_expert_with_no_tokens(capacity_factor):
+    cfg = MoEConfig(num_experts=4, top_k=2, d_model=8, d_ff=8, capacity_factor=capacity_factor)
+    module = make(cfg)
+    x, w = _steer(jax.random.normal(jax.random.key(3), (9, 8)),
+                  module.router.weight_de[...], expert=2, strength=-8.0)
+    module.router.weight_de[...] = w
+    _, aux, _ = check_against_reference(cfg, x, module)
+    assert int(aux["expert_load"][2]) == 0
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_every_token_on_one_expert(top_k, capacity_factor):
+    cfg = MoEConfig(num_experts=4, top_k=top_k, d_model=8, d_ff=8,
+                    capacity_factor=capacity_factor)
+    module = make(cfg)
+    x, w = _steer(jax.random.normal(jax.random.key(4), (11, 8)),
+                  module.router.weight_de[...], expert=1, strength=6.0)
+    module.router.weight_de[...] = w
+    _, aux, pl = check_against_reference(cfg, x, module)
+    assert int(aux["expert_load"][1]) == 11
+    if capacity_factor is not None:
+        assert pl["dropped"] > 0
+
+
+@pytest.mark.parametrize("router", ["softmax_topk", "sigmoid"])
+def test_k_equals_e(router):
+    cfg = MoEConfig(num_experts=4, top_k=4, d_model=8, d_ff=8, router=router,
+                    normalize_weights=True)
+    x = jax.random.normal(jax.random.key(5), (7, 8))
+    _, aux, _ = check_against_reference(cfg, x)
+    np.testing.assert_array_equal(np.asarray(aux["expert_load"]), [7, 7, 7, 7])
+
+
+def test_leading_shape_and_shared_experts():
+    cfg = MoEConfig(num_experts=4, top_k=2, d_model=8, d_ff=8, num_shared_experts=2,
+                    shared_d_ff=4)
+    module = make(cfg)
+    x = jax.random.normal(jax.random.key(6), (2, 3, 5, 8))
+    y, aux = apply(module, x)
+    assert y.shape == x.shape and aux["router_logits"].shape == (2, 3, 5, 4)
+    assert module.shared_experts.up_df.shape == (8, 8)
+    flat = x.reshape(-1, 8)
+    p = param_dict(module)
+    y_ref = ref.forward(flat, p, cfg, ref.plan(flat, p["router_de"], cfg))
+    np.testing.assert_allclose(np.asarray(y).reshape(-1, 8), np.asarray(y_ref), atol=2e-5)
+
+
+def test_bfloat16_inputs_accumulate_in_float32():
+    cfg = MoEConfig(num_experts=4, top_k=2, d_model=64, d_ff=128, normalize_weights=True)
+    module = make(cfg)
+    x = jax.random.normal(jax.random.key(7), (16, 64))
+    y16, _ = apply(module, x.astype(jnp.bfloat16))
+    assert y16.dtype == jnp.bfloat16
+    p = param_dict(module)
+    xb = x.astype(jnp.bfloat16).astype(jnp.float32)
+    p16 = {k: None if v is None else v.astype(jnp.bfloat16).astype(jnp.float32)
+           for k, v in p.items()}
+    p16["router_de"] = p["router_de"]
+    y_ref = ref.forward(xb, p16, cfg, ref.plan(xb, p["router_de"], cfg))
+    err = np.abs(np.asarray(y16, np.float32) - np.asarray(y_ref))
+    scale = np.abs(np.asarray(y_ref)).max()
+    # bf16 output rounding is 2^-8 relative; float32 accumulation keeps the error there.
+    assert err.max() <= 2 ** -7 * scale, (err.max(), scale)
+
+
+@pytest.mark.parametrize("case", ["mixtral", "sigmoid_groups", "expert_choice", "capacity"])
+def test_gradients_match_per_token_loop(case):
+    overrides = dict(ROUTER_CASES.get(case, {}))
+    if case == "capacity":
+        overrides = dict(capacity_factor=0.75, normalize_weights=True)
+    cfg = MoEConfig(**{**dict(num_experts=8, top_k=2, d_model=8, d_ff=12,
+                               num_shared_experts=1), **overrides})
+    module = make(cfg)
+    with jax.enable_x64(True):
+        p = {k: None if v is None else jnp.asarray(v, jnp.float64)
+             for k, v in param_dict(module).items()}
+        x = jax.random.normal(jax.random.key(8), (10, 8), jnp.float64)
+        ct = jax.random.normal(jax.random.key(9), (10, 8), jnp.float64)
+        pl = ref.plan(x, p["router_de"], cfg)
+        if case == "capacity":
+            assert pl["dropped"] > 0
+
+        def ours(x, p):
+            return jnp.sum(moe(x, MoEParams(**p), cfg)[0] * ct)
+
+        def theirs(x, p):
+            return jnp.sum(ref.forward(x, p, cfg, pl, xnp=jnp) * ct)
+
+        g = jax.jit(jax.grad(ours, argnums=(0, 1)))(x, p)
+        g_ref = jax.jit(jax.grad(theirs, argnums=(0, 1)))(x, p)
+    # Router math runs in float32 by design, so compare at float32 precision.
+    chex.assert_trees_all_close(g, g_ref, atol=1e-5, rtol=1e-4)
+    assert float(jnp.abs(g[1]["router_de"]).max()) > 0  # router gets a gradient
+
+
+@hypothesis.settings(max_examples=8, deadline=None)
+@hypothesis.given(
+    T=st.integers(1, 17), E=st.integers(1, 9), k_frac=st.floats(0, 1), D=st.integers(1, 9),
+    F=st.integers(1, 9), cap=st.sampled_from([None, 0.5, 1.0, 2.0]), seed=st.integers(0, 99),
+)
+def test_hypothesis_sizes(T, E, k_frac, D, F, cap, seed):
+    K = 1 + int(k_frac * (E - 1))
+    cfg = MoEConfig(num_experts=E, top_k=K, d_model=D, d_ff=F, capacity_factor=cap,
+                    normalize_weights=True)
+    x = jax.random.normal(jax.random.key(seed), (T, D))
+    check_against_reference(cfg, x, make(cfg, seed))

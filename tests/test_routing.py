@@ -1,0 +1,215 @@
+"""Router options, losses and bad input: each test fails if its option is miswired."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+import moe_reference as ref
+from aristax import MoE, MoEConfig, route
+from aristax.routing import (
+    load_balancing_loss,
+    router_z_loss,
+    sequence_balance_loss,
+    update_balance_bias,
+)
+from test_moe import apply, check_against_reference, make, param_dict
+
+
+def _logits(T, E, seed=0, scale=2.0):
+    return jax.random.normal(jax.random.key(seed), (T, E)) * scale
+
+
+def test_balance_bias_changes_selection_not_weights():
+    cfg = MoEConfig(num_experts=8, top_k=2, d_model=8, d_ff=8, router="sigmoid",
+                    normalize_weights=False, bias_update_rate=0.1)
+    logits = _logits(32, 8)
+    bias = jnp.zeros(8).at[5].set(10.0)  # expert 5 wins every selection
+    plain = route(logits, cfg.router_config)
+    biased = route(logits, cfg.router_config, bias=bias)
+    assert bool(jnp.all(jnp.any(biased.expert_ids == 5, axis=1)))
+    assert not bool(jnp.all(jnp.any(plain.expert_ids == 5, axis=1)))
+    # Weights are the unbiased sigmoid scores of the selected experts.
+    scores = jax.nn.sigmoid(logits)
+    expected = jnp.take_along_axis(scores, biased.expert_ids, axis=1)
+    np.testing.assert_allclose(np.asarray(biased.weights), np.asarray(expected), rtol=1e-6)
+    # And the whole layer follows the reference that applies the bias to selection only.
+    module = make(cfg)
+    module.router.balance_bias_e[...] = bias
+    x = jax.random.normal(jax.random.key(1), (12, 8))
+    check_against_reference(cfg, x, module, bias=np.asarray(bias))
+
+
+def test_balance_bias_update_sign_rule_and_not_a_param():
+    cfg = MoEConfig(num_experts=4, top_k=1, d_model=8, d_ff=8, bias_update_rate=0.5)
+    module = MoE(cfg, rngs=nnx.Rngs(0))
+    module.update_balance_bias(jnp.array([10, 2, 2, 2]))
+    np.testing.assert_allclose(np.asarray(module.router.balance_bias_e[...]),
+                               [-0.5, 0.5, 0.5, 0.5])
+    np.testing.assert_allclose(
+        np.asarray(update_balance_bias(jnp.zeros(3), jnp.array([1, 1, 4]), 0.1)),
+        [0.1, 0.1, -0.1], rtol=1e-6)
+    params = nnx.state(module, nnx.Param)
+    assert all("balance_bias" not in "/".join(map(str, path))
+               for path, _ in nnx.to_flat_state(params))
+    with pytest.raises(ValueError, match="bias_update_rate"):
+        MoE(cfg.replace(bias_update_rate=0.0), rngs=nnx.Rngs(0)).update_balance_bias(
+            jnp.ones(4))
+
+
+@pytest.mark.parametrize("num_groups,topk_groups,top_k", [(4, 2, 3), (8, 3, 2), (2, 1, 2)])
+def test_group_limited_selection_stays_in_top_groups(num_groups, topk_groups, top_k):
+    E = 16
+    cfg = MoEConfig(num_experts=E, top_k=top_k, d_model=4, d_ff=4, router="sigmoid",
+                    num_groups=num_groups, topk_groups=topk_groups)
+    logits = _logits(64, E, seed=3)
+    routing = route(logits, cfg.router_config)
+    scores = np.asarray(jax.nn.sigmoid(logits), np.float64)
+    outside = 0
+    for t in range(64):
+        allowed = set(ref.allowed_experts(scores[t], num_groups, topk_groups))
+        chosen = set(np.asarray(routing.expert_ids[t]).tolist())
+        assert chosen <= allowed
+        outside += sorted(range(E), key=lambda e: -scores[t, e])[0] not in allowed
+    # Some token's globally best expert lies outside its top groups, so the limit bites.
+    assert num_groups == 2 or outside > 0
+
+
+def test_routed_scaling_factor_scales_weights_only():
+    base = MoEConfig(num_experts=8, top_k=2, d_model=4, d_ff=4, router="sigmoid",
+                     normalize_weights=True)
+    logits = _logits(16, 8)
+    r1 = route(logits, base.router_config)
+    r2 = route(logits, base.replace(routed_scaling_factor=2.5).router_config)
+    np.testing.assert_array_equal(np.asarray(r1.expert_ids), np.asarray(r2.expert_ids))
+    np.testing.assert_allclose(np.asarray(r2.weights), 2.5 * np.asarray(r1.weights), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(r1.weights.sum(-1)), 1.0, rtol=1e-6)
+
+
+def test_topk_softmax_differs_from_softmax_topk():
+    logits = _logits(16, 8)
+    a = route(logits, MoEConfig(8, 2, 4, 4, router="topk_softmax").router_config)
+    b = route(logits, MoEConfig(8, 2, 4, 4, router="softmax_topk").router_config)
+    np.testing.assert_array_equal(np.asarray(a.expert_ids), np.asarray(b.expert_ids))
+    np.testing.assert_allclose(np.asarray(a.weights.sum(-1)), 1.0, rtol=1e-6)
+    assert float(jnp.max(b.weights.sum(-1))) < 0.999  # unnormalised softmax mass
+
+
+def test_expert_choice_gives_every_expert_its_capacity():
+    cfg = MoEConfig(num_experts=4, top_k=2, d_model=4, d_ff=4, router="expert_choice")
+    routing = route(_logits(10, 4), cfg.router_config)
+    per_expert = np.asarray(routing.mask.sum(0))
+    np.testing.assert_array_equal(per_expert, [5, 5, 5, 5])  # ceil(10 * 2 / 4)
+    assert int(routing.mask.sum(1).max()) > 2 or int(routing.mask.sum(1).min()) < 2
+
+
+def test_router_jitter_only_in_training_and_bounded():
+    eps = 0.2
+    cfg = MoEConfig(num_experts=4, top_k=2, d_model=8, d_ff=8, router_jitter=eps)
+    module = make(cfg)
+    x = jax.random.normal(jax.random.key(2), (16, 8))
+    w = module.router.weight_de[...]
+    _, aux_a = module(x)
+    _, aux_b = module(x)
+    clean = x @ w
+    assert not np.allclose(np.asarray(aux_a["router_logits"]), np.asarray(aux_b["router_logits"]))
+    bound = eps * (jnp.abs(x) @ jnp.abs(w)) + 1e-5
+    assert bool(jnp.all(jnp.abs(aux_a["router_logits"] - clean) <= bound))
+    module.eval()
+    y_eval, aux_eval = module(x)
+    np.testing.assert_allclose(np.asarray(aux_eval["router_logits"]), np.asarray(clean),
+                               rtol=1e-5, atol=1e-5)
+    check_against_reference(cfg, x, module)
+
+
+def test_load_balancing_loss_equals_hugging_face():
+    T, E, K = 40, 8, 2
+    logits = _logits(T, E, seed=4)
+    cfg = MoEConfig(num_experts=E, top_k=K, d_model=4, d_ff=4, normalize_weights=True)
+    ours = load_balancing_loss(route(logits, cfg.router_config))
+    theirs = load_balancing_loss_func((torch.tensor(np.asarray(logits)),), E, K)
+    np.testing.assert_allclose(float(ours), float(theirs), rtol=1e-5)
+
+
+def test_z_loss_and_sequence_loss_against_numpy():
+    T, E, K, S = 24, 6, 2, 8
+    logits = _logits(T, E, seed=5)
+    lg = np.asarray(logits, np.float64)
+    lse = np.log(np.exp(lg).sum(-1))
+    np.testing.assert_allclose(float(router_z_loss(logits)), np.mean(lse ** 2), rtol=1e-5)
+    cfg = MoEConfig(num_experts=E, top_k=K, d_model=4, d_ff=4, router="sigmoid")
+    routing = route(logits, cfg.router_config)
+    s = 1 / (1 + np.exp(-lg))
+    s = s / s.sum(-1, keepdims=True)
+    ids = np.asarray(routing.expert_ids)
+    total = 0.0
+    for b in range(T // S):
+        rows = slice(b * S, (b + 1) * S)
+        counts = np.bincount(ids[rows].ravel(), minlength=E)
+        total += np.sum(E / (K * S) * counts * s[rows].mean(0))
+    np.testing.assert_allclose(float(sequence_balance_loss(routing, S)), total / (T // S),
+                               rtol=1e-5)
+
+
+def test_aux_loss_is_weighted_sum_and_differentiable():
+    cfg = MoEConfig(num_experts=4, top_k=2, d_model=8, d_ff=8, lb_loss_coef=0.3,
+                    z_loss_coef=0.01, seq_aux_loss_coef=0.2)
+    module = make(cfg)
+    x = jax.random.normal(jax.random.key(6), (2, 6, 8))
+    _, aux = apply(module, x)
+    expected = 0.3 * aux["lb_loss"] + 0.01 * aux["z_loss"] + 0.2 * aux["seq_aux_loss"]
+    np.testing.assert_allclose(float(aux["loss"]), float(expected), rtol=1e-6)
+
+    def loss(m):
+        return m(x)[1]["loss"]
+
+    grads = nnx.grad(loss)(module)
+    assert float(jnp.abs(grads.router.weight_de[...]).max()) > 0
+
+
+def test_nonfinite_logits_are_reported_and_isolated():
+    cfg = MoEConfig(num_experts=4, top_k=2, d_model=8, d_ff=8, normalize_weights=True)
+    module = make(cfg)
+    x = jax.random.normal(jax.random.key(7), (9, 8)).at[4, 0].set(jnp.nan)
+    y, aux = apply(module, x)
+    assert int(aux["nonfinite_tokens"]) == 1
+    assert bool(jnp.all(y[4] == 0))
+    good = np.r_[0:4, 5:9]
+    p = param_dict(module)
+    xg = x[good]
+    y_ref = ref.forward(xg, p, cfg, ref.plan(xg, p["router_de"], cfg))
+    np.testing.assert_allclose(np.asarray(y)[good], np.asarray(y_ref), atol=2e-5)
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        make(cfg.replace(debug_checks=True))(x)
+    with pytest.raises(Exception, match="non-finite"):
+        jax.block_until_ready(apply(make(cfg.replace(debug_checks=True)), x))
+
+
+@pytest.mark.parametrize("field,kwargs", [
+    ("top_k", dict(top_k=5)),
+    ("top_k", dict(top_k=0)),
+    ("num_groups", dict(num_groups=3)),
+    ("topk_groups", dict(num_groups=2, topk_groups=3)),
+    ("top_k", dict(num_groups=4, topk_groups=1, top_k=2)),
+    ("router", dict(router="softmax")),
+    ("activation", dict(activation="relu")),
+    ("capacity_factor", dict(capacity_factor=0.0)),
+    ("capacity_factor", dict(capacity_factor=-1.0)),
+    ("drop_policy", dict(drop_policy="random")),
+    ("dtype", dict(dtype="float17")),
+])
+def test_bad_config_names_the_field(field, kwargs):
+    base = dict(num_experts=4, top_k=2, d_model=8, d_ff=8)
+    with pytest.raises(ValueError, match=rf"MoEConfig\.{field}="):
+        MoEConfig(**{**base, **kwargs})
+
+
+def test_wrong_input_width_is_rejected_before_jit():
+    module = MoE(MoEConfig(num_experts=4, top_k=2, d_model=8, d_ff=8), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="d_model=8"):
+        module(jnp.ones((3, 7)))
