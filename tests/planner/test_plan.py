@@ -1,0 +1,105 @@
+"""Plan / make_plan: JSON round trip, validation, determinism, presets."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from aristax.planner import Plan, ModelSpec, make_plan
+from aristax.planner.plan import baseline_groups, dispatch_times
+from aristax.planner.topology import dgx_h100, heterogeneous_mix, perlmutter, uniform
+
+ZIPF16 = tuple(float(x) for x in np.random.default_rng(0).zipf(1.5, 16))
+
+
+def check_plan(plan, top, model):
+    assert plan.num_devices == top.num_devices and plan.num_experts == model.num_experts
+    assert sorted(d for g in plan.groups for d in g) == list(range(top.num_devices))
+    for g, group in enumerate(plan.groups):
+        slots = plan.replicas[g]
+        # every expert placed in every group, memory respected
+        assert sorted({x for xs in slots for x in xs}) == list(range(model.num_experts))
+        assert all(len(xs) <= top.expert_capacity[d] for d, xs in zip(group, slots))
+        # the Aurora rounds deliver exactly the expected dispatch traffic, contention-free
+        t = dispatch_times(slots, group, top, model)
+        np.testing.assert_allclose(plan.schedules[g].delivered(len(group)), t, rtol=1e-9, atol=1e-15)
+        for r in plan.schedules[g].rounds:
+            assert len({i for i, _, _ in r.sends}) == len(r.sends) == len({j for _, j, _ in r.sends})
+        assert plan.schedules[g].makespan == pytest.approx(max(t.sum(0).max(), t.sum(1).max()), rel=1e-9)
+    assert len(plan.partition_counts) == len(plan.op_names) == 5
+
+
+@pytest.mark.parametrize("top,experts", [(perlmutter(4), 64), (dgx_h100(2), 128), (heterogeneous_mix(1, 2), 16)])
+def test_presets_round_trip_and_determinism(top, experts):
+    model = ModelSpec(num_experts=experts, top_k=2, tokens_per_device=2048)
+    plan = make_plan(top, model)
+    check_plan(plan, top, model)
+    again = make_plan(top, model)
+    assert again.to_json() == plan.to_json()
+    back = Plan.from_json(plan.to_json())
+    assert back == plan and back.to_json() == plan.to_json()
+    assert ModelSpec.from_dict(plan.meta["model"]) == model
+
+
+def test_skewed_load_and_replicas():
+    top = perlmutter(4)
+    model = ModelSpec(num_experts=16, expert_load=ZIPF16, tokens_per_device=2048)
+    plan = make_plan(top, model)
+    check_plan(plan, top, model)
+    rep = ModelSpec(num_experts=16, expert_load=ZIPF16, tokens_per_device=2048, num_replicas=32)
+    rplan = make_plan(top, rep, groups=[list(range(8)), list(range(8, 16))])
+    check_plan(rplan, top, rep)
+    hot = int(np.argmax(ZIPF16))
+    assert len(rplan.placement[0][hot]) > 1  # the hottest expert is replicated
+    assert all(len(xs) == 4 for xs in rplan.replicas[0])  # 32 slots over 8 devices
+    assert Plan.from_json(rplan.to_json()) == rplan
+    with pytest.raises(ValueError, match="multiple of the group size"):
+        make_plan(top, dataclasses.replace(rep, num_replicas=20), groups=[list(range(8)), list(range(8, 16))])
+
+
+def test_baseline_groups():
+    top = perlmutter(4, expert_capacity=16)
+    assert baseline_groups(top, 32, "world") == [list(range(16))]
+    assert baseline_groups(top, 32, "single_node") == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert baseline_groups(top, 32, "minimal") == [[2 * i, 2 * i + 1] for i in range(8)]
+    # a node too small to hold all experts is merged with the next one
+    assert baseline_groups(top, 96, "single_node") == [list(range(8)), list(range(8, 16))]
+    assert baseline_groups(top, 48, "minimal") == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11], list(range(12, 16))]
+    with pytest.raises(ValueError, match="kind"):
+        baseline_groups(top, 32, "nodes")
+
+
+def test_validation_errors():
+    top = uniform(4, expert_capacity=4)
+    model = ModelSpec(num_experts=4, tokens_per_device=64, d_model=8, d_ff=16)
+    plan = make_plan(top, model, groups=[[0, 1], [2, 3]])
+    d = json.loads(plan.to_json())
+
+    def broken(**changes):
+        return json.dumps(dict(d, **changes))
+
+    with pytest.raises(ValueError, match="outside range"):
+        Plan.from_json(broken(groups=[[0, 1], [2, 7]]))
+    with pytest.raises(ValueError, match="exactly one group"):
+        Plan.from_json(broken(groups=[[0, 1], [1, 2]]))
+    place = [list(map(list, pg)) for pg in plan.placement]
+    place[1][3] = []
+    with pytest.raises(ValueError, match="every group must hold every expert"):
+        Plan.from_json(broken(placement=place))
+    place = [list(map(list, pg)) for pg in plan.placement]
+    place[0][0] = [3]
+    with pytest.raises(ValueError, match="outside group 0"):
+        Plan.from_json(broken(placement=place))
+    with pytest.raises(ValueError, match="one entry per group"):
+        Plan.from_json(broken(schedules=d["schedules"][:1]))
+    with pytest.raises(ValueError, match="missing"):
+        Plan.from_json(json.dumps({k: v for k, v in d.items() if k != "replicas"}))
+    with pytest.raises(ValueError, match="expert_load"):
+        ModelSpec(num_experts=4, expert_load=(1.0, 2.0))
+    with pytest.raises(ValueError, match="num_replicas"):
+        ModelSpec(num_experts=4, num_replicas=3)
+    with pytest.raises(ValueError, match="fewer than num_experts"):
+        make_plan(top, ModelSpec(num_experts=6), groups=[[0], [1, 2, 3]])
+    with pytest.raises(ValueError, match="select"):
+        make_plan(top, model, select="fastest")
