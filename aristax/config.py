@@ -50,7 +50,6 @@ class RouterConfig:
     topk_groups: int = 1
     routed_scaling_factor: float = 1.0
     expert_capacity_factor: float = 1.0
-    jitter_eps: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +185,6 @@ class MoEConfig:
             topk_groups=self.topk_groups,
             routed_scaling_factor=self.routed_scaling_factor,
             expert_capacity_factor=1.0 if self.capacity_factor is None else self.capacity_factor,
-            jitter_eps=self.router_jitter,
         )
 
     @property
