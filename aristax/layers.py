@@ -5,15 +5,18 @@ Letters: D model dim, F expert hidden dim, E experts, Fs shared hidden dim.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx import bridge
+from jax.sharding import Mesh
 
 from aristax import routing as routing_lib
 from aristax.config import MoEConfig
 from aristax.moe import MoEParams, moe
-from aristax.sharding import sharded_param
+from aristax.sharding import EXPERT_AXIS, sharded_param
 
 # Fan-in scaling of a stacked [E, in, out] weight: each expert on its own.
 _expert_init = nnx.initializers.variance_scaling(
@@ -79,10 +82,18 @@ class MoE(nnx.Module):
 
     Router jitter is applied while ``deterministic`` is False (``module.train()``)
     and ``config.router_jitter > 0``; ``module.eval()`` turns it off.
+
+    Expert parallelism: when a mesh with an "expert" axis is active, the layer runs
+    ``aristax.parallel.expert_parallel_moe`` (experts sharded over "expert", tokens
+    over ("data", "expert")). The mesh is ``mesh=`` when given, else the one set by
+    ``with jax.set_mesh(mesh):`` (read with ``jax.sharding.get_abstract_mesh()``, so
+    it works inside ``jit``). Without such a mesh it runs the single-device
+    ``aristax.moe.moe``.
     """
 
-    def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None):
         self.config = config
+        self.mesh = mesh
         self.router = Router(config, rngs=rngs)
         self.experts = Experts(config, rngs=rngs)
         self.shared_experts = (
@@ -114,7 +125,7 @@ class MoE(nnx.Module):
         seq_len = lead[-1] if len(lead) >= 2 else None
         use_jitter = self.jitter_rngs is not None and not self.deterministic
         bias = self.router.balance_bias_e
-        y, aux = moe(
+        y, aux = self._forward()(
             x.reshape(-1, cfg.d_model), self.params(), cfg,
             bias=None if bias is None else bias[...],
             jitter_rng=self.jitter_rngs() if use_jitter else None,
@@ -124,6 +135,15 @@ class MoE(nnx.Module):
         if cfg.debug_checks:
             _raise_if_nonfinite(aux["nonfinite_tokens"])
         return y.reshape(x.shape[:-1] + y.shape[-1:]), aux
+
+    def _forward(self):
+        """``moe``, or the expert-parallel forward when an expert mesh is active."""
+        mesh = self.mesh if self.mesh is not None else jax.sharding.get_abstract_mesh()
+        if mesh is None or mesh.empty or EXPERT_AXIS not in mesh.axis_names:
+            return moe
+        from aristax.parallel import expert_parallel_moe  # parallel imports this package
+
+        return functools.partial(expert_parallel_moe, mesh=mesh)
 
     def update_balance_bias(self, expert_load: jax.Array) -> None:
         """Aux-loss-free balancing step from the last step's ``aux["expert_load"]``."""

@@ -1,0 +1,165 @@
+"""Token exchange between the devices of an expert-parallel group.
+
+Letters: G devices on the exchange axis, B rows per (source, destination) buffer,
+N rows on the sender, D the row width (any trailing shape).
+
+One front door, ``exchange(x, input_offsets, send_sizes, ...)``:
+  * forward: the sender's rows are contiguous per destination (block j starts at
+    ``input_offsets[j]`` and its first ``send_sizes[j] <= B`` rows are sent). The
+    receiver gets ``[G*B, ...]``: the rows of source i at i*B .. i*B + recv_sizes[i],
+    zeros elsewhere.
+  * ``reverse=True``: the inverse trip with the *same* sender layout arguments:
+    ``x[G*B, ...]`` laid out as the forward returned it goes back, and each sender
+    gets ``[N, ...]`` with block j's rows back at ``input_offsets[j]``, zeros elsewhere.
+
+Backends (``EXCHANGE_BACKENDS``):
+  * "padded": fixed [G, B, ...] buffers and ``jax.lax.all_to_all``; runs everywhere.
+  * "ragged": ``jax.lax.ragged_all_to_all`` (GPU/TPU; XLA:CPU does not implement it);
+    only the rows in use travel.
+  * "ragged_emulated": the "ragged" offsets with ``ragged_all_to_all_emulated`` (the
+    documented semantics built from a dense ``all_to_all``); runs everywhere, and
+    exists to test the ragged offsets end to end on CPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+EXCHANGE_BACKENDS = ("padded", "ragged", "ragged_emulated")
+_PLATFORM_BACKEND = {"cpu": "padded", "gpu": "ragged", "cuda": "ragged", "rocm": "ragged",
+                     "tpu": "ragged"}
+
+
+def default_backend(platform: str | None = None) -> str:
+    """The exchange backend for a platform: cpu -> "padded", gpu/tpu -> "ragged"."""
+    platform = platform or jax.default_backend()
+    return _PLATFORM_BACKEND.get(platform, "padded")
+
+
+def check_backend(backend: str) -> str:
+    if backend not in EXCHANGE_BACKENDS:
+        raise ValueError(
+            f"backend={backend!r} is invalid: choose one of {EXCHANGE_BACKENDS} or None "
+            "(chosen from the platform)")
+    return backend
+
+
+def all_to_all_vector(v: jax.Array, axis_name: str) -> jax.Array:
+    """v[G] -> out[G] with out[i] = v_i[me]: what source i holds for this device."""
+    return jax.lax.all_to_all(v, axis_name, 0, 0, tiled=True)
+
+
+def ragged_args(
+    input_offsets: jax.Array,
+    send_sizes: jax.Array,
+    *,
+    axis_name: str,
+    buffer_size: int,
+    reverse: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Arguments of ``jax.lax.ragged_all_to_all`` for ``exchange`` (one slice per peer).
+
+    Forward: send block j (``input_offsets[j]``, ``send_sizes[j]``) to device j, where
+    it lands at ``me * B``; receive ``recv_sizes[i] = send_sizes_i[me]`` rows from
+    each source i. Reverse: send the rows of source i back from ``i * B`` (sizes
+    ``recv_sizes``) to source i's ``input_offsets_i[me]``.
+
+    Args: int32[G] each, the sender's layout (``send_sizes[j] <= B``).
+    Returns:
+      (input_offsets, send_sizes, output_offsets, recv_sizes), int32[G] each, in the
+      order ``jax.lax.ragged_all_to_all`` takes them.
+    """
+    G = send_sizes.shape[0]
+    me = jax.lax.axis_index(axis_name).astype(jnp.int32)
+    recv_sizes = all_to_all_vector(send_sizes, axis_name)
+    if not reverse:
+        return input_offsets, send_sizes, jnp.full((G,), me * buffer_size, jnp.int32), recv_sizes
+    blocks = jnp.arange(G, dtype=jnp.int32) * buffer_size
+    return blocks, recv_sizes, all_to_all_vector(input_offsets, axis_name), send_sizes
+
+
+def ragged_all_to_all_emulated(
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name
+):
+    """``jax.lax.ragged_all_to_all`` semantics (its docstring) with one slice per peer,
+    built from a dense ``all_to_all`` of [G, N, ...] buffers. Differentiable; O(G*N)
+    memory, so meant for tests and CPU."""
+    G, N, M = send_sizes.shape[0], operand.shape[0], output.shape[0]
+    rows = jnp.arange(N, dtype=jnp.int32)
+    take = input_offsets[:, None] + rows[None, :]  # [G, N]
+    valid = rows[None, :] < send_sizes[:, None]
+    buf = jnp.take(operand, jnp.where(valid, take, 0), axis=0)
+    buf = jnp.where(_expand(valid, buf), buf, jnp.zeros((), operand.dtype))
+    recv = jax.lax.all_to_all(buf, axis_name, 0, 0)  # recv[i]: from source i
+    where = all_to_all_vector(output_offsets, axis_name)  # where source i writes here
+    dest = where[:, None] + rows[None, :]
+    dest = jnp.where(rows[None, :] < recv_sizes[:, None], dest, M)  # M: dropped
+    return output.at[dest.reshape(-1)].set(recv.reshape((G * N,) + operand.shape[1:]),
+                                           mode="drop")
+
+
+def _expand(mask: jax.Array, like: jax.Array) -> jax.Array:
+    return mask.reshape(mask.shape + (1,) * (like.ndim - mask.ndim))
+
+
+def _padded(x, input_offsets, send_sizes, *, axis_name, buffer_size, reverse, num_rows):
+    G, B = send_sizes.shape[0], buffer_size
+    pos = jnp.arange(B, dtype=jnp.int32)
+    idx = input_offsets[:, None] + pos[None, :]  # [G, B] rows of the sender's blocks
+    valid = pos[None, :] < send_sizes[:, None]
+    if not reverse:
+        buf = jnp.take(x, jnp.where(valid, idx, 0), axis=0)
+        buf = jnp.where(_expand(valid, buf), buf, jnp.zeros((), x.dtype))
+        recv = jax.lax.all_to_all(buf, axis_name, 0, 0)
+        return recv.reshape((G * B,) + x.shape[1:])
+    back = jax.lax.all_to_all(x.reshape((G, B) + x.shape[1:]), axis_name, 0, 0)
+    out = jnp.zeros((num_rows,) + x.shape[1:], x.dtype)
+    dest = jnp.where(valid, idx, num_rows).reshape(-1)
+    return out.at[dest].set(back.reshape((G * B,) + x.shape[1:]), mode="drop")
+
+
+def exchange(
+    x: jax.Array,
+    input_offsets: jax.Array,
+    send_sizes: jax.Array,
+    *,
+    axis_name: str,
+    buffer_size: int,
+    backend: str = "padded",
+    reverse: bool = False,
+    num_rows: int | None = None,
+) -> jax.Array:
+    """Send row blocks to the devices of ``axis_name`` (or, ``reverse``, bring them back).
+
+    Call inside ``shard_map``.
+
+    Args:
+      x: forward: [N, ...] the sender's rows; reverse: [G*B, ...] as the forward
+        returned them.
+      input_offsets: int32[G] first row of the block for each destination (sender).
+      send_sizes: int32[G] rows sent to each destination, each <= ``buffer_size``
+        (rows past it must be clipped by the caller and are not sent).
+      buffer_size: B, static rows per (source, destination) pair.
+      backend: one of ``EXCHANGE_BACKENDS``.
+      reverse: the return trip (same ``input_offsets``/``send_sizes``).
+      num_rows: N, rows of the reverse result (required when ``reverse``).
+    Returns:
+      forward: [G*B, ...]; reverse: [N, ...] (see the module docstring).
+    """
+    check_backend(backend)
+    if reverse and num_rows is None:
+        raise ValueError("exchange(reverse=True) needs num_rows=N, the sender's row count")
+    input_offsets = input_offsets.astype(jnp.int32)
+    send_sizes = send_sizes.astype(jnp.int32)
+    if backend == "padded":
+        return _padded(x, input_offsets, send_sizes, axis_name=axis_name,
+                       buffer_size=buffer_size, reverse=reverse, num_rows=num_rows)
+    G = send_sizes.shape[0]
+    args = ragged_args(input_offsets, send_sizes, axis_name=axis_name,
+                       buffer_size=buffer_size, reverse=reverse)
+    out_rows = num_rows if reverse else G * buffer_size
+    output = jnp.zeros((out_rows,) + x.shape[1:], x.dtype)
+    if backend == "ragged":
+        return jax.lax.ragged_all_to_all(x, output, *args, axis_name=axis_name)
+    return ragged_all_to_all_emulated(x, output, *args, axis_name=axis_name)

@@ -1,0 +1,348 @@
+"""The expert-parallel MoE layer: ``aristax.moe.moe`` over a ("data", "expert") mesh.
+
+Letters: T tokens (global), Tl = T / (R*G) tokens per device, D model dim, F expert
+hidden dim, E experts, El = E / G experts per device, K experts per token, C capacity,
+G expert-parallel group size ("expert" axis), R groups ("data" axis), B rows per
+(source, destination) exchange buffer.
+
+Per device, inside ``jax.shard_map`` (GShard / DeepSpeed-MoE expert parallelism):
+
+  x[Tl, D] --route (aristax.routing.route, logical ids)--> ids -> physical slots
+    --dispatch (aristax.dispatch, local)--> rows[M, D] sorted by slot = by owner
+    --exchange over "expert"--> [G*B, D] rows for my El experts from every source
+    --regroup by local expert, aristax.experts.expert_mlp--> back in source order
+    --exchange back--> rows[M, D] --aristax.dispatch.combine--> y[Tl, D]
+
+Semantics, compared with the single-device ``aristax.moe.moe`` on the whole batch:
+  * Dropless (``capacity_factor=None``): identical outputs, gradients and aux. The
+    exchange buffer defaults to B = Tl*K, the worst case (every assignment of a
+    source going to one device), so nothing can overflow. A smaller
+    ``buffer_size`` trades memory for overflow: rows past B for a destination
+    (the highest slots of that destination first) are not processed, contribute 0
+    like a capacity drop, and are counted in ``aux["num_overflow"]``,
+    ``aux["num_dropped"]`` and ``aux["dropped_fraction"]``.
+  * Capacity: capacity is per *source shard*, as in GShard: each device computes
+    C = ceil(capacity_factor * Tl * K / E) over its own Tl tokens and drops by the
+    drop policy among them. Outputs equal ``moe`` applied to each shard separately
+    (not to the whole batch); ``num_dropped`` is the sum over shards. Buffers are
+    exactly B = El*C, so capacity mode never overflows.
+  * aux: counts and sums are all-reduced over every token axis, so lb_loss, z_loss,
+    expert_load (logical order), nonfinite_tokens and seq_aux_loss (per-sequence
+    counts all-reduced, so sequences may straddle shards) equal the single-device
+    layer's on the whole batch. router_logits is [T, E], sharded like x.
+  * Router jitter draws its noise for the whole [T, D] batch outside the map, so it
+    equals the single-device layer's noise for the same key.
+  * Expert choice routing is batch-global and is rejected (ValueError).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from aristax import dispatch as dispatch_lib
+from aristax import routing as routing_lib
+from aristax.config import MoEConfig
+from aristax.experts import dense_mlp, expert_mlp
+from aristax.moe import MoEParams, make_dispatch, router_logits
+from aristax.parallel.collectives import check_backend, default_backend, exchange
+from aristax.parallel.mesh import inverse_permutation
+from aristax.sharding import DATA_AXIS, EXPERT_AXIS, PARAM_AXES
+
+_PARAM_NAMES = {
+    "router_de": "router_weight_de", "up_edf": "ffw_up_edf", "gate_edf": "ffw_gate_edf",
+    "down_efd": "ffw_down_efd", "shared_up_df": "shared_up_df",
+    "shared_gate_df": "shared_gate_df", "shared_down_fd": "shared_down_fd",
+}
+_SCALAR_AUX = ("loss", "lb_loss", "seq_aux_loss", "z_loss", "dropped_fraction",
+               "num_dropped", "num_overflow", "nonfinite_tokens")
+
+
+# ------------------------------------------------------------------ layout
+def send_layout(group_sizes: jax.Array, num_devices: int, buffer_size: int):
+    """Per-destination blocks of rows sorted by physical slot, clipped to B rows.
+
+    Args:
+      group_sizes: int32[E] rows per physical slot (slots e*El.. belong to device e//El).
+    Returns:
+      input_offsets int32[G] (first row of each destination's block), send_sizes
+      int32[G] (<= B), sent_counts int32[G, El] rows per (destination, local expert)
+      that fit in B, and block_sizes int32[G] before clipping.
+    """
+    counts = group_sizes.reshape(num_devices, -1)  # [G, El]
+    block = jnp.sum(counts, axis=1, dtype=jnp.int32)
+    offsets = jnp.cumsum(block, dtype=jnp.int32) - block
+    cum = jnp.minimum(jnp.cumsum(counts, axis=1, dtype=jnp.int32), buffer_size)
+    sent = jnp.diff(cum, axis=1, prepend=jnp.zeros((num_devices, 1), jnp.int32))
+    return offsets, jnp.minimum(block, buffer_size), sent, block
+
+
+def rows_sent(input_offsets: jax.Array, send_sizes: jax.Array, num_rows: int) -> jax.Array:
+    """bool[M]: the row travels (lies in the first send_sizes[j] rows of block j)."""
+    r = jnp.arange(num_rows, dtype=jnp.int32)[:, None]
+    inside = (r >= input_offsets[None, :]) & (r < input_offsets[None, :] + send_sizes[None, :])
+    return jnp.any(inside, axis=1)
+
+
+def regroup_order(recv_counts: jax.Array, buffer_size: int) -> tuple[jax.Array, jax.Array]:
+    """Order the received [G*B] rows by local expert (sources in order within one).
+
+    Args:
+      recv_counts: int32[G, El] rows from source i for local expert e (rows of one
+        source are contiguous from i*B and sorted by expert).
+    Returns:
+      order int32[G*B] (received row of each expert-sorted row; padding last) and
+      group_sizes int32[El].
+    """
+    pos = jnp.arange(buffer_size, dtype=jnp.int32)
+    cum = jnp.cumsum(recv_counts, axis=1, dtype=jnp.int32)  # [G, El]
+    local_expert = jnp.sum(pos[None, :, None] >= cum[:, None, :], axis=-1, dtype=jnp.int32)
+    order = jnp.argsort(local_expert.reshape(-1), stable=True).astype(jnp.int32)
+    return order, jnp.sum(recv_counts, axis=0, dtype=jnp.int32)
+
+
+def local_experts(recv: jax.Array, recv_counts: jax.Array, params: MoEParams, config: MoEConfig,
+                  buffer_size: int) -> jax.Array:
+    """Run this device's El experts on the received rows: [G*B, D] -> [G*B, D] (acc dtype),
+    each output row in its received place (padding rows give 0)."""
+    order, sizes = regroup_order(recv_counts, buffer_size)
+    out = expert_mlp(jnp.take(recv, order, axis=0), sizes, params.gate_edf, params.up_edf,
+                     params.down_efd, activation=config.activation,
+                     implementation=config.implementation)
+    return jnp.zeros_like(out).at[order].set(out, unique_indices=True)
+
+
+# ------------------------------------------------------------------ local aux
+def _psum(x, axes):
+    return jax.lax.psum(x, axes)
+
+
+def sequence_loss(routing, axes, num_shards: int, seq_len: int) -> jax.Array:
+    """DeepSeek-V3 eq. 17-20 over the whole batch (``routing_lib.sequence_balance_loss``)
+    when sequences of ``seq_len`` consecutive global tokens may straddle shards:
+    per-sequence counts and probability sums [T/S, E] are all-reduced."""
+    Tl, E = routing.probs.shape
+    K = routing.expert_ids.shape[1]
+    num_seq = Tl * num_shards // seq_len
+    dt = routing.probs.dtype
+    start = jax.lax.axis_index(axes).astype(jnp.int32) * Tl
+    seq_id = (start + jnp.arange(Tl, dtype=jnp.int32)) // seq_len
+    onehot = jax.nn.one_hot(routing.expert_ids, E, dtype=dt) * routing.mask[..., None].astype(dt)
+    counts = _psum(jax.ops.segment_sum(jnp.sum(onehot, axis=1), seq_id, num_seq), axes)
+    P_ = _psum(jax.ops.segment_sum(routing.probs, seq_id, num_seq), axes) / seq_len
+    return jnp.mean(jnp.sum(counts * (E / (K * seq_len)) * P_, axis=-1))
+
+
+def global_aux(routing, dispatch, num_overflow, config: MoEConfig, axes, num_shards: int,
+               seq_len: int | None) -> dict[str, jax.Array]:
+    """The single-device layer's aux on the whole batch, from all-reduced local counts."""
+    Tl, E = routing.probs.shape
+    T = Tl * num_shards
+    K = routing.expert_ids.shape[1]
+    dt = routing.probs.dtype
+    load = _psum(routing.expert_load(), axes)
+    mean_p = _psum(jnp.sum(routing.probs, axis=0), axes) / T
+    lb = E * jnp.sum(load.astype(dt) / T * mean_p)
+    finite = jnp.all(jnp.isfinite(routing.logits), axis=-1)
+    z = jax.nn.logsumexp(routing.logits, axis=-1) ** 2
+    z = _psum(jnp.sum(jnp.where(finite, z, 0.0)), axes) / jnp.maximum(
+        _psum(jnp.sum(finite, dtype=jnp.int32), axes), 1).astype(z.dtype)
+    seq = sequence_loss(routing, axes, num_shards, seq_len or T)
+    routed = _psum(dispatch.num_routed, axes)
+    dropped = _psum(dispatch.num_dropped + num_overflow, axes)
+    return {
+        "loss": config.lb_loss_coef * lb + config.seq_aux_loss_coef * seq
+        + config.z_loss_coef * z,
+        "lb_loss": lb, "seq_aux_loss": seq, "z_loss": z, "expert_load": load,
+        "dropped_fraction": dropped.astype(jnp.float32) / jnp.maximum(routed, 1).astype(
+            jnp.float32),
+        "num_dropped": dropped, "num_overflow": _psum(num_overflow, axes),
+        "nonfinite_tokens": _psum(jnp.sum(~finite, dtype=jnp.int32), axes),
+        "router_logits": routing.logits,
+    }
+
+
+# ------------------------------------------------------------------ the map body
+def _local_moe(x, router_in, params, bias, *, config, slot_of, axes, expert_axis, G,
+               num_shards, buffer_size, backend, seq_len):
+    """One device's share: x[Tl, D] -> (y[Tl, D], aux). See the module docstring."""
+    routing = routing_lib.route(router_logits(router_in, params.router_de),
+                                config.router_config, bias=bias)
+    physical = routing if slot_of is None else routing.replace(
+        expert_ids=jnp.asarray(slot_of)[routing.expert_ids])
+    dispatch = make_dispatch(physical, config)
+    dtype = jnp.dtype(config.dtype) if config.dtype is not None else x.dtype
+    xc = x.astype(dtype)
+    rows = dispatch_lib.permute(xc, dispatch)  # [M, D] sorted by slot
+    M = rows.shape[0]
+    B = buffer_size(x.shape[0])
+    offsets, sizes, sent_counts, _ = send_layout(dispatch.group_sizes, G, B)
+    recv_counts = jax.lax.all_to_all(sent_counts, expert_axis, 0, 0, tiled=True)
+    trip = dict(axis_name=expert_axis, buffer_size=B, backend=backend)
+    recv = exchange(rows, offsets, sizes, **trip)
+    out = local_experts(recv, recv_counts, params, config, B).astype(dtype)
+    back = exchange(out, offsets, sizes, reverse=True, num_rows=M, **trip)
+    sent = rows_sent(offsets, sizes, M)
+    num_overflow = jnp.sum(dispatch.row_valid & ~sent, dtype=jnp.int32)
+    kept = dispatch.kept & jnp.take(sent, dispatch.slot, mode="fill", fill_value=False)
+    y = dispatch_lib.combine(back, dispatch.replace(kept=kept), routing.weights)
+    if params.shared_up_df is not None:
+        y = y + dense_mlp(xc, params.shared_gate_df, params.shared_up_df,
+                          params.shared_down_fd, activation=config.activation)
+    aux = global_aux(routing, dispatch, num_overflow, config, axes, num_shards, seq_len)
+    return y.astype(dtype), aux
+
+
+# ------------------------------------------------------------------ front door
+def _param_specs(params: MoEParams, expert_axis: str) -> MoEParams:
+    def spec(name):
+        if getattr(params, name) is None:
+            return None
+        axes = PARAM_AXES[_PARAM_NAMES[name]]
+        return P(*(expert_axis if a == EXPERT_AXIS else None for a in axes))
+
+    return MoEParams(**{name: spec(name) for name in _PARAM_NAMES})
+
+
+def _place(a, mesh, spec):
+    """Give ``a`` the sharding ``spec`` on ``mesh`` (reshard under Explicit axes)."""
+    if a is None:
+        return None
+    explicit = any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+    sharding = NamedSharding(mesh, spec)
+    if explicit:
+        return jax.sharding.reshard(a, sharding)
+    return jax.lax.with_sharding_constraint(a, sharding)
+
+
+def _explicit_spec(x, mesh):
+    """x's PartitionSpec under a mesh with Explicit axes (None under Auto axes)."""
+    if not any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+        return None
+    spec = getattr(jax.typeof(x).sharding, "spec", None)
+    return tuple(spec) if spec is not None else ()
+
+
+def _resolve_mesh(mesh):
+    if mesh is None:
+        mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        raise ValueError("expert_parallel_moe needs a mesh: pass mesh=... or call it under "
+                         "`with jax.set_mesh(mesh):`")
+    return mesh
+
+
+def _validate(x, config, mesh, expert_axis, token_axes, seq_len, slot_of, buffer_size):
+    if expert_axis not in mesh.axis_names:
+        raise ValueError(f"expert_axis={expert_axis!r} is not a mesh axis {mesh.axis_names}; "
+                         "build the mesh with mesh_from_plan or name the axis")
+    missing = [a for a in token_axes if a not in mesh.axis_names]
+    if missing:
+        raise ValueError(f"token_axes={token_axes} name axes {missing} missing from the mesh "
+                         f"{mesh.axis_names}")
+    if config.router == "expert_choice":
+        raise ValueError("MoEConfig.router='expert_choice' picks tokens over the whole batch; "
+                         "expert_parallel_moe supports token-choice routers only")
+    G = mesh.shape[expert_axis]
+    E = config.num_experts
+    if E % G:
+        raise ValueError(f"MoEConfig.num_experts={E} is not a multiple of the '{expert_axis}' "
+                         f"axis size G={G}; use E % G == 0 or a smaller expert axis")
+    shards = int(np.prod([mesh.shape[a] for a in token_axes]))
+    T = x.shape[0]
+    if T % shards:
+        raise ValueError(f"x has T={T} tokens, not a multiple of the {shards} token shards "
+                         f"(mesh axes {token_axes}); pad the batch")
+    if seq_len is not None and T % seq_len:
+        raise ValueError(f"seq_len={seq_len} does not divide the T={T} tokens")
+    if slot_of is not None and sorted(np.asarray(slot_of).tolist()) != list(range(E)):
+        raise ValueError(f"expert_perm must be a permutation of range(num_experts={E})")
+    if buffer_size is not None and (not isinstance(buffer_size, int) or buffer_size < 1):
+        raise ValueError(f"buffer_size={buffer_size!r} must be a positive int or None "
+                         "(worst case Tl*K)")
+    return G, shards
+
+
+def expert_parallel_moe(
+    x: jax.Array,
+    params: MoEParams,
+    config: MoEConfig,
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+    *,
+    bias: jax.Array | None = None,
+    jitter_rng: jax.Array | None = None,
+    seq_len: int | None = None,
+    expert_perm: Sequence[int] | None = None,
+    backend: str | None = None,
+    buffer_size: int | None = None,
+    expert_axis: str = EXPERT_AXIS,
+    token_axes: Sequence[str] | None = None,
+) -> tuple[jax.Array, dict[str, Any]]:
+    """``aristax.moe.moe`` with experts sharded over ``mesh`` (see the module docstring).
+
+    Args:
+      x: [T, D] tokens; sharded over ``token_axes`` (T % (R*G) == 0).
+      params: ``MoEParams``; expert weights [E, ...] in *physical* order (logical
+        order when ``expert_perm`` is None; see ``aristax.parallel.layout_experts``),
+        sharded over ``expert_axis`` (each device holds E/G experts).
+      config: ``MoEConfig`` (token-choice router; capacity is per source shard).
+      mesh: a ``Mesh``/``AbstractMesh`` with ``expert_axis``; None: the mesh set by
+        ``jax.set_mesh``.
+      bias, jitter_rng, seq_len: as in ``aristax.moe.moe`` (T % seq_len == 0).
+      expert_perm: int[E], logical expert in each physical slot
+        (``expert_permutation(plan)``); None: identity.
+      backend: one of ``EXCHANGE_BACKENDS``; None: "padded" on CPU, "ragged" on GPU/TPU.
+      buffer_size: B rows per (source, destination) in dropless mode; None: Tl*K
+        (never overflows). Ignored in capacity mode (B = El*C).
+      expert_axis: the expert-parallel mesh axis. token_axes: mesh axes the tokens
+        are split over (default: "data" if present, then ``expert_axis``).
+    Returns:
+      (y[T, D], aux) as ``moe``; aux also has num_overflow (int32[]). Under Explicit
+      mesh axes y and router_logits keep x's sharding; under Auto axes they come
+      out sharded over ``token_axes``.
+    """
+    mesh = _resolve_mesh(mesh)
+    if token_axes is None:
+        token_axes = tuple(a for a in (DATA_AXIS, expert_axis) if a in mesh.axis_names)
+    token_axes = tuple(token_axes)
+    slot_of = None if expert_perm is None else inverse_permutation(expert_perm)
+    G, shards = _validate(x, config, mesh, expert_axis, token_axes, seq_len, expert_perm,
+                          buffer_size)
+    backend = check_backend(backend or default_backend())
+    E_local = config.num_experts // G
+
+    def buffers(tl):
+        if config.capacity(tl) is not None:
+            return E_local * config.capacity(tl)
+        return buffer_size or tl * config.top_k
+
+    x_spec = _explicit_spec(x, mesh)
+    router_in = x
+    if jitter_rng is not None and config.router_jitter > 0:
+        router_in = routing_lib.apply_jitter(x, config.router_jitter, jitter_rng)
+    tok = P(token_axes, None)
+    pspecs = _param_specs(params, expert_axis)
+    x, router_in = _place(x, mesh, tok), _place(router_in, mesh, tok)
+    params = MoEParams(**{name: _place(getattr(params, name), mesh, getattr(pspecs, name))
+                          for name in _PARAM_NAMES})
+    bias = _place(bias, mesh, P())
+    body = functools.partial(
+        _local_moe, config=config, slot_of=slot_of, axes=token_axes, expert_axis=expert_axis,
+        G=G, num_shards=shards, buffer_size=buffers, backend=backend, seq_len=seq_len)
+    aux_specs = {k: P() for k in _SCALAR_AUX} | {"expert_load": P(), "router_logits": tok}
+    fn = jax.shard_map(
+        lambda x, r, p, b: body(x, r, p, b), mesh=mesh,
+        in_specs=(tok, tok, pspecs, P()),
+        out_specs=(tok, aux_specs))
+    y, aux = fn(x, router_in, params, bias)
+    if x_spec is not None:  # Explicit axes: the output keeps the input's sharding
+        row = P(x_spec[0] if len(x_spec) else None, None)
+        y = _place(y, mesh, P(*x_spec) if len(x_spec) == 2 else row)
+        aux["router_logits"] = _place(aux["router_logits"], mesh, row)
+    return y, aux

@@ -1,0 +1,218 @@
+"""expert_parallel_moe on 8 CPU devices against the single-device aristax.moe.moe
+(itself tested against the per-token reference in tests/moe_reference.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import moe_reference as ref
+from aristax import MoEConfig, MoEParams, moe
+from aristax.parallel import expert_parallel_moe, expert_permutation, layout_experts, mesh_from_plan
+from aristax.planner import ModelSpec, make_plan
+from aristax.planner.topology import uniform
+
+D, F, T = 16, 24, 64
+TOK = P(("data", "expert"), None)
+AUX_EQUAL = ("lb_loss", "z_loss", "seq_aux_loss", "loss", "expert_load", "nonfinite_tokens")
+
+
+def make_mesh(shape, explicit=True):
+    kind = AxisType.Explicit if explicit else AxisType.Auto
+    return jax.make_mesh(shape, ("data", "expert"), axis_types=(kind, kind))
+
+
+def make_params(cfg: MoEConfig, seed=0) -> MoEParams:
+    ks = jax.random.split(jax.random.key(seed), 7)
+    E, Fs = cfg.num_experts, cfg.shared_width
+    n = lambda k, s, scale: jax.random.normal(k, s) * scale  # noqa: E731
+    shared = cfg.num_shared_experts > 0
+    return MoEParams(
+        router_de=n(ks[0], (D, E), 0.5),
+        up_edf=n(ks[1], (E, D, F), D ** -0.5),
+        gate_edf=None if cfg.activation == "gelu" else n(ks[2], (E, D, F), D ** -0.5),
+        down_efd=n(ks[3], (E, F, D), F ** -0.5),
+        shared_up_df=n(ks[4], (D, Fs), D ** -0.5) if shared else None,
+        shared_gate_df=n(ks[5], (D, Fs), D ** -0.5) if shared else None,
+        shared_down_fd=n(ks[6], (Fs, D), Fs ** -0.5) if shared else None,
+    )
+
+
+def value_and_grads(forward, x, params, ct):
+    """One compiled call: (y, aux), d/d(x, params) of sum(y * ct) + aux["loss"]."""
+    def f(x, params):
+        y, aux = forward(x, params)
+        return jnp.sum(y * ct) + aux["loss"], (y, aux)
+
+    (_, out), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(x, params)
+    return out, grads
+
+
+def per_shard_moe(x, params, cfg, shards):
+    """The single-device layer on each source shard (capacity semantics of EP)."""
+    ys, auxes = jax.lax.map(lambda xs: moe(xs, params, cfg), x.reshape(shards, -1, x.shape[-1]))
+    return ys.reshape(x.shape), auxes
+
+
+def plan_perm(shape, E):
+    R, G = shape
+    groups = [list(range(r * G, (r + 1) * G)) for r in range(R)]
+    plan = make_plan(uniform(8, expert_capacity=E), ModelSpec(num_experts=E), groups=groups)
+    perm = expert_permutation(plan)
+    return plan, perm
+
+
+CASES = {
+    # id: (mesh shape, config changes, backend, use the plan's expert permutation)
+    "1x8_top1_dropless": ((1, 8), dict(num_experts=8, top_k=1), "padded", False),
+    "2x4_top2_dropless_plan_shared": (
+        (2, 4), dict(num_experts=16, top_k=2, normalize_weights=True, num_shared_experts=1,
+                     z_loss_coef=1e-3), "ragged_emulated", True),
+    "4x2_top3_dropless_geglu": ((4, 2), dict(num_experts=8, top_k=3, activation="geglu"),
+                                "padded", False),
+    "2x4_top2_capacity_position": ((2, 4), dict(num_experts=8, top_k=2, capacity_factor=1.0),
+                                   "padded", False),
+    "4x2_top1_capacity_probability": (
+        (4, 2), dict(num_experts=16, top_k=1, capacity_factor=0.75, drop_policy="probability",
+                     activation="gelu"), "ragged_emulated", True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_single_device_layer(case):
+    shape, changes, backend, use_plan = CASES[case]
+    cfg = MoEConfig(d_model=D, d_ff=F, **changes)
+    mesh = make_mesh(shape, explicit=shape != (1, 8))
+    params = make_params(cfg)
+    x = jax.random.normal(jax.random.key(1), (T, D))
+    ct = jax.random.normal(jax.random.key(2), (T, D))
+    perm = None
+    ep_params = params
+    if use_plan:
+        plan, perm = plan_perm(shape, cfg.num_experts)
+        mesh = mesh_from_plan(plan, jax.devices(), num_experts=cfg.num_experts)
+        ep_params = layout_experts(params, perm)
+
+    def ep(x, p):
+        return expert_parallel_moe(x, p, cfg, mesh, expert_perm=perm, backend=backend)
+
+    shards = shape[0] * shape[1]
+    if cfg.capacity_factor is None:
+        ref_fwd = lambda x, p: moe(x, p, cfg)  # noqa: E731
+    else:
+        def ref_fwd(x, p):  # per-shard outputs, whole-batch aux losses
+            return per_shard_moe(x, p, cfg, shards)[0], moe(x, p, cfg)[1]
+    (y, aux), (gx, gp) = value_and_grads(ep, x, ep_params, ct)
+    (y_ref, aux_glob), (rx, rp) = value_and_grads(ref_fwd, x, params, ct)
+    if cfg.capacity_factor is None:
+        dropped, routed = 0, int(aux_glob["expert_load"].sum())
+    else:
+        shard_aux = jax.jit(lambda x, p: per_shard_moe(x, p, cfg, shards)[1])(x, params)
+        dropped, routed = int(shard_aux["num_dropped"].sum()), T * cfg.top_k
+        assert dropped > 0  # the case really drops
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), atol=2e-5, rtol=2e-5)
+    for k in AUX_EQUAL:
+        np.testing.assert_allclose(np.asarray(aux[k]), np.asarray(aux_glob[k]), rtol=1e-5,
+                                   atol=1e-6, err_msg=k)
+    np.testing.assert_array_equal(np.asarray(aux["router_logits"]),
+                                  np.asarray(aux_glob["router_logits"]))
+    assert int(aux["num_dropped"]) == dropped and int(aux["num_overflow"]) == 0
+    np.testing.assert_allclose(float(aux["dropped_fraction"]), dropped / routed, rtol=1e-6)
+
+    # Gradients w.r.t. x and every parameter.
+    if perm is not None:
+        rp = layout_experts(rp, perm)
+    np.testing.assert_allclose(np.asarray(gx), np.asarray(rx), atol=3e-5, rtol=3e-5)
+    for field in dataclasses.fields(MoEParams):
+        g, r = getattr(gp, field.name), getattr(rp, field.name)
+        assert (g is None) == (r is None), field.name
+        if g is not None:
+            np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=3e-5, rtol=3e-5,
+                                       err_msg=field.name)
+
+
+def test_jitted_step_keeps_output_sharding():
+    cfg = MoEConfig(num_experts=8, top_k=2, d_model=D, d_ff=F)
+    mesh = make_mesh((2, 4))
+    params = make_params(cfg)
+    x = jax.device_put(jax.random.normal(jax.random.key(1), (T, D)), NamedSharding(mesh, TOK))
+    expert = NamedSharding(mesh, P("expert", None, None))
+    params = params.replace(up_edf=jax.device_put(params.up_edf, expert),
+                            gate_edf=jax.device_put(params.gate_edf, expert),
+                            down_efd=jax.device_put(params.down_efd, expert))
+    y, aux = jax.jit(lambda x, p: expert_parallel_moe(x, p, cfg, mesh))(x, params)
+    assert y.sharding.spec == TOK and y.sharding.mesh == mesh
+    assert aux["router_logits"].sharding.spec == TOK
+    assert aux["expert_load"].sharding.is_fully_replicated
+
+
+def overflow_reference(x, params, cfg, shape, B):
+    """Per source shard, the dropless sort by expert; rows past B per destination drop."""
+    R, G = shape
+    El, K, Tl = cfg.num_experts // G, cfg.top_k, T // (R * G)
+    pl = ref.plan(x, params.router_de, cfg)
+    kept, n_over = [], 0
+    for s in range(R * G):
+        slots = [(e, t * K + k, t) for t in range(s * Tl, (s + 1) * Tl)
+                 for k, e in enumerate(pl["ids"][t])]
+        used = np.zeros(G, int)
+        for e, _, t in sorted(slots):
+            if used[e // El] < B:
+                used[e // El] += 1
+                kept.append((t, e))
+            else:
+                n_over += 1
+    return dict(pl, kept=sorted(kept)), n_over
+
+
+def test_small_buffer_overflow_is_counted_not_corrupting():
+    cfg = MoEConfig(num_experts=8, top_k=2, d_model=D, d_ff=F)
+    shape, B = (2, 4), 3
+    params = make_params(cfg)
+    x = jax.random.normal(jax.random.key(1), (T, D))
+    y, aux = jax.jit(lambda x, p: expert_parallel_moe(x, p, cfg, make_mesh(shape),
+                                                      buffer_size=B))(x, params)
+    pl, n_over = overflow_reference(x, params, cfg, shape, B)
+    assert n_over > 0
+    assert int(aux["num_overflow"]) == n_over == int(aux["num_dropped"])
+    np.testing.assert_allclose(float(aux["dropped_fraction"]), n_over / (T * cfg.top_k))
+    p = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+    np.testing.assert_allclose(np.asarray(y), ref.forward(x, p, cfg, pl), atol=2e-5, rtol=2e-5)
+
+
+def test_jitter_and_sequence_loss_match():
+    cfg = MoEConfig(num_experts=8, top_k=2, d_model=D, d_ff=F, router_jitter=0.1,
+                    seq_aux_loss_coef=0.1)
+    params = make_params(cfg)
+    x = jax.random.normal(jax.random.key(1), (T, D))
+    key = jax.random.key(7)
+    mesh = make_mesh((4, 2), explicit=False)
+    y, aux = jax.jit(lambda x: expert_parallel_moe(x, params, cfg, mesh, jitter_rng=key,
+                                                   seq_len=16))(x)
+    y_ref, aux_ref = moe(x, params, cfg, jitter_rng=key, seq_len=16)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), atol=2e-5, rtol=2e-5)
+    for k in ("seq_aux_loss", "loss", "lb_loss"):
+        np.testing.assert_allclose(float(aux[k]), float(aux_ref[k]), rtol=1e-5, err_msg=k)
+
+
+def test_errors_name_the_argument():
+    mesh = make_mesh((1, 8))
+    x = jnp.zeros((T, D))
+    cfg = MoEConfig(num_experts=12, top_k=2, d_model=D, d_ff=F)
+    with pytest.raises(ValueError, match="num_experts=12 is not a multiple"):
+        expert_parallel_moe(x, make_params(cfg), cfg, mesh)
+    cfg = MoEConfig(num_experts=8, top_k=2, d_model=D, d_ff=F)
+    with pytest.raises(ValueError, match="T=60 tokens"):
+        expert_parallel_moe(x[:60], make_params(cfg), cfg, mesh)
+    with pytest.raises(ValueError, match="expert_choice"):
+        ec = cfg.replace(router="expert_choice")
+        expert_parallel_moe(x, make_params(ec), ec, mesh)
+    with pytest.raises(ValueError, match="backend='nccl'"):
+        expert_parallel_moe(x, make_params(cfg), cfg, mesh, backend="nccl")
+    with pytest.raises(ValueError, match="needs a mesh"):
+        expert_parallel_moe(x, make_params(cfg), cfg)
