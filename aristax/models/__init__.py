@@ -1,0 +1,6 @@
+"""Models built on aristax layers: Mixtral with Hugging Face import/export."""
+
+from aristax.models.generate import generate
+from aristax.models.mixtral import KVCache, Mixtral, MixtralConfig, MixtralOutput, forward
+
+__all__ = ["KVCache", "Mixtral", "MixtralConfig", "MixtralOutput", "forward", "generate"]

@@ -1,0 +1,109 @@
+"""``aristax generate``: greedy or sampled generation from a local HF Mixtral directory.
+
+    aristax generate CHECKPOINT --ids 1 415 2936 --max-new-tokens 32
+    aristax generate CHECKPOINT --text "The capital of France is"   # needs tokenizer.json
+
+Prints the generated token ids (and text when a tokenizer is available) and the
+prefill time and decode tokens/s. ``aristax.cli`` calls ``register(subparsers)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Add the ``generate`` subcommand to an argparse subparsers object."""
+    p = subparsers.add_parser(
+        "generate", help="generate tokens from a local Hugging Face Mixtral checkpoint",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", help="directory with config.json and *.safetensors")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--ids", type=int, nargs="+", help="prompt token ids")
+    src.add_argument("--text", help="prompt text (needs tokenizer.json in the checkpoint)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling")
+    p.add_argument("--eos-token-id", type=int, default=None,
+                   help="stop at this id (default: the config's eos_token_id; -1: never)")
+    p.add_argument("--dtype", default=None, help="parameter dtype (default float32)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+    return p
+
+
+def _tokenizer(checkpoint: Path):
+    path = checkpoint / "tokenizer.json"
+    if not path.exists():
+        raise SystemExit(f"--text needs {path}; pass token ids with --ids instead")
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Handler of ``aristax generate``; returns the exit code."""
+    import jax
+
+    from aristax.models.generate import generate_with_stats
+    from aristax.models.mixtral import Mixtral
+
+    checkpoint = Path(args.checkpoint)
+    model = Mixtral.from_pretrained(checkpoint, dtype=args.dtype)
+    tokenizer = _tokenizer(checkpoint) if args.text is not None else None
+    if tokenizer is not None:
+        prompt = tokenizer.encode(args.text).ids
+    else:
+        prompt = args.ids
+    vocab = model.config.vocab_size
+    if not prompt or min(prompt) < 0 or max(prompt) >= vocab:
+        raise SystemExit(f"prompt ids must be non-empty and in [0, {vocab}), got {prompt}")
+    eos = model.config.eos_token_id if args.eos_token_id is None else args.eos_token_id
+    if eos == -1:
+        eos = None
+    ids, stats = generate_with_stats(
+        model, np.asarray([prompt], np.int32), args.max_new_tokens,
+        temperature=args.temperature, top_p=args.top_p, eos_token_id=eos,
+        rng=jax.random.key(args.seed))
+    new = ids[0, len(prompt):].tolist()
+    result = {
+        "prompt_ids": list(prompt),
+        "new_ids": new,
+        "prefill_s": round(stats.prefill_s, 4),
+        "first_step_s": round(stats.first_step_s, 4),
+        "decode_tokens_per_s": round(stats.decode_steps / stats.decode_s, 2)
+        if stats.decode_steps and stats.decode_s > 0 else None,
+        "decode_ms_per_token": round(stats.decode_ms_per_token, 3),
+    }
+    if tokenizer is None and (checkpoint / "tokenizer.json").exists():
+        tokenizer = _tokenizer(checkpoint)
+    if tokenizer is not None:
+        result["text"] = tokenizer.decode(new)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print("new tokens:", " ".join(map(str, new)))
+        if "text" in result:
+            print("text:", result["text"])
+        print(f"prefill (incl. compile): {result['prefill_s']} s; first decode step "
+              f"(incl. compile): {result['first_step_s']} s; then "
+              f"{result['decode_tokens_per_s']} tokens/s "
+              f"({result['decode_ms_per_token']} ms/token)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry point (``python -m aristax.models.cli ...``)."""
+    parser = argparse.ArgumentParser(prog="aristax")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,216 @@
+"""Autoregressive generation with a fixed-size KV cache: one compiled prefill, one
+compiled decode step.
+
+Letters: B batch, S prompt length, N new tokens, L = S + N cache slots, V vocabulary.
+
+Left-padded batches follow Hugging Face ``generate``: position ids are
+``cumsum(attention_mask) - 1`` (0 on padding), padding keys are masked, each new token
+takes the next position of its row, and rows that emitted an EOS token continue with
+``pad_token_id`` until every row is done (then generation stops early).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from aristax.models import sparse_moe
+from aristax.models.mixtral import KVCache, Mixtral
+
+
+# --------------------------------------------------------------------- sampling
+def top_p_mask(logits: jax.Array, top_p: jax.Array) -> jax.Array:
+    """HF ``TopPLogitsWarper``: logits with the tokens outside the nucleus set to -inf.
+
+    Sorts ascending, removes tokens whose cumulative probability is <= 1 - top_p and
+    always keeps the most likely token. logits: float32[B, V]; top_p: float32[].
+    """
+    order = jnp.argsort(logits, axis=-1)
+    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+    cum = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
+    remove_sorted = cum <= 1.0 - top_p
+    remove_sorted = remove_sorted.at[:, -1].set(False)
+    remove = jnp.zeros_like(remove_sorted).at[
+        jnp.arange(logits.shape[0])[:, None], order].set(remove_sorted)
+    return jnp.where(remove, -jnp.inf, logits)
+
+
+def next_token(logits, rng, temperature, top_p, do_sample: bool) -> jax.Array:
+    """int32[B] from the last logits float[B, V]: argmax, or temperature + top-p
+    sampling (HF warper order: temperature, then top-p)."""
+    logits = logits.astype(jnp.float32)
+    if not do_sample:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = top_p_mask(logits / temperature, top_p)
+    return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
+
+
+def _emit(tok, done, eos_ids: jax.Array, pad_id: jax.Array):
+    """Finished rows emit ``pad_id``; a row is done once it emitted one of ``eos_ids``
+    (int32[n], n >= 0)."""
+    tok = jnp.where(done, pad_id, tok)
+    return tok, done | jnp.any(tok[:, None] == eos_ids[None, :], axis=-1)
+
+
+# --------------------------------------------------------------------- compiled steps
+@partial(jax.jit, static_argnames=("graphdef", "cache_length", "do_sample"))
+def _prefill(graphdef, state, views, input_ids, attention_mask, position_ids, rng,
+             temperature, top_p, eos_ids, pad_id, *, cache_length, do_sample):
+    model = nnx.merge(graphdef, state)
+    B = input_ids.shape[0]
+    cache = KVCache.init(model.config, B, cache_length)
+    out = model(input_ids, attention_mask, position_ids, cache=cache,
+                expert_views=views, last_only=True)
+    rng, key = jax.random.split(rng)
+    tok = next_token(out.logits[:, -1], key, temperature, top_p, do_sample)
+    tok, done = _emit(tok, jnp.zeros((B,), bool), eos_ids, pad_id)
+    return tok, done, out.cache, position_ids[:, -1] + 1, rng
+
+
+@partial(jax.jit, static_argnames=("graphdef", "do_sample"), donate_argnames=("cache",))
+def _decode(graphdef, state, views, tok, done, cache, position, rng, temperature, top_p,
+            eos_ids, pad_id, *, do_sample):
+    model = nnx.merge(graphdef, state)
+    out = model(tok[:, None], None, position[:, None], cache=cache, expert_views=views)
+    rng, key = jax.random.split(rng)
+    nxt = next_token(out.logits[:, -1], key, temperature, top_p, do_sample)
+    nxt, done = _emit(nxt, done, eos_ids, pad_id)
+    return nxt, done, out.cache, position + 1, rng
+
+
+# --------------------------------------------------------------------- driver
+@dataclasses.dataclass
+class GenerationStats:
+    """Wall-clock seconds of the prefill (which yields the first token), of the first
+    decode step (which includes compiling it when cold), and of the other
+    ``decode_steps`` decode steps (steady state), each also in ``step_s``."""
+
+    prefill_s: float
+    first_step_s: float
+    decode_s: float
+    decode_steps: int
+    step_s: tuple[float, ...] = ()
+
+    @property
+    def decode_ms_per_token(self) -> float:
+        return 1e3 * self.decode_s / max(self.decode_steps, 1)
+
+
+def _check_left_padded(mask: np.ndarray) -> None:
+    if not np.all(np.diff(mask.astype(np.int8), axis=1) >= 0):
+        raise ValueError("attention_mask must be left-padded (0s before 1s in every row); "
+                         "pad prompts on the left as Hugging Face generate expects")
+    if not np.all(mask[:, -1]):
+        raise ValueError("attention_mask: every prompt needs at least one real token")
+
+
+def expert_views(model: Mixtral) -> tuple:
+    """Per-layer per-expert weights for the small-T decode path (copies the experts)."""
+    return tuple(sparse_moe.expert_views(layer.moe) for layer in model.layers)
+
+
+def generate_with_stats(
+    model: Mixtral,
+    input_ids,
+    max_new_tokens: int,
+    *,
+    attention_mask=None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    eos_token_id: int | Sequence[int] | None = None,
+    pad_token_id: int | None = None,
+    rng: jax.Array | None = None,
+    views: tuple | None = None,
+) -> tuple[np.ndarray, GenerationStats]:
+    """``generate`` that also returns ``GenerationStats``; ``views`` may be passed to
+    reuse ``expert_views(model)`` across calls."""
+    ids = np.asarray(input_ids)
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"input_ids must be an integer array [batch, seq], got "
+                         f"{ids.dtype}{list(ids.shape)}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p} must be in (0, 1]")
+    B, S = ids.shape
+    mask = np.ones((B, S), bool) if attention_mask is None else np.asarray(attention_mask) != 0
+    if mask.shape != (B, S):
+        raise ValueError(f"attention_mask has shape {mask.shape}, input_ids {ids.shape}")
+    _check_left_padded(mask)
+    eos = () if eos_token_id is None else tuple(np.atleast_1d(eos_token_id).tolist())
+    pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
+    position_ids = np.where(mask, np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
+    do_sample = temperature > 0
+    rng = jax.random.key(0) if rng is None else rng
+    temp = np.float32(temperature if do_sample else 1.0)
+    top_p = np.float32(top_p)
+    views = expert_views(model) if views is None else views
+    graphdef, state = nnx.split(model)
+    # EOS ids padded with -1 (never a token) to a fixed length: no recompile per count
+    eos_padded = np.full(max(4, len(eos)), -1, np.int32)
+    eos_padded[:len(eos)] = eos
+    stop = (eos_padded, np.int32(pad))
+
+    t0 = time.perf_counter()
+    tok, done, cache, pos, rng = _prefill(
+        graphdef, state, views, ids.astype(np.int32), mask, position_ids, rng, temp, top_p,
+        *stop, cache_length=S + max_new_tokens, do_sample=do_sample)
+    tokens = [np.asarray(tok)]
+    times = [time.perf_counter()]
+    for _ in range(max_new_tokens - 1):
+        if eos and bool(np.all(np.asarray(done))):
+            break
+        tok, done, cache, pos, rng = _decode(
+            graphdef, state, views, tok, done, cache, pos, rng, temp, top_p, *stop,
+            do_sample=do_sample)
+        tokens.append(np.asarray(tok))
+        times.append(time.perf_counter())
+    out = np.concatenate([ids, np.stack(tokens, axis=1).astype(ids.dtype)], axis=1)
+    first = times[1] - times[0] if len(times) > 1 else 0.0
+    steps = tuple(np.diff(times)[1:].tolist())
+    return out, GenerationStats(prefill_s=times[0] - t0, first_step_s=first,
+                                decode_s=times[-1] - times[0] - first,
+                                decode_steps=len(steps), step_s=steps)
+
+
+def generate(
+    model: Mixtral,
+    input_ids,
+    max_new_tokens: int,
+    *,
+    attention_mask=None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    eos_token_id: int | Sequence[int] | None = None,
+    pad_token_id: int | None = None,
+    rng: jax.Array | None = None,
+) -> np.ndarray:
+    """Generate up to ``max_new_tokens`` tokens after left-padded prompts.
+
+    Args:
+      model: a ``Mixtral``.
+      input_ids: int[B, S] prompts, left-padded to a common length S.
+      max_new_tokens: N, tokens to generate per row.
+      attention_mask: [B, S] 1 for real tokens, 0 for left padding (None: all real).
+      temperature: 0 = greedy (argmax); > 0 samples softmax(logits / temperature).
+      top_p: nucleus sampling threshold (HF ``TopPLogitsWarper``), used when sampling.
+      eos_token_id: id or ids that end a row; generation stops when all rows ended.
+      pad_token_id: emitted by ended rows (default: the first EOS id, as HF).
+      rng: PRNG key for sampling (default ``jax.random.key(0)``).
+    Returns:
+      int[B, S + n] numpy array, prompts followed by the n <= N generated tokens.
+    """
+    out, _ = generate_with_stats(
+        model, input_ids, max_new_tokens, attention_mask=attention_mask,
+        temperature=temperature, top_p=top_p, eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id, rng=rng)
+    return out

@@ -1,0 +1,517 @@
+"""Mixtral (Jiang et al. 2024, "Mixtral of Experts") with Hugging Face parity.
+
+A decoder-only transformer whose MLPs are ``aristax.MoE`` layers with Mixtral routing
+(softmax over E in float32, top-K, renormalised; SwiGLU experts). The numerics follow
+``transformers.models.mixtral.modeling_mixtral`` (5.x) operation by operation: RMSNorm
+in float32, rotary embeddings with ``rotate_half``, grouped-query attention with an
+optional sliding window, softmax in float32.
+
+Letters: B batch, S query tokens, L key slots (the KV-cache length, or S without a
+cache), V vocabulary, D hidden size, H query heads, G key/value heads, Dh head dim,
+E experts, K experts per token, F expert hidden size, N layers.
+
+Sliding window (as HF's ``sliding_window_overlay``): the query in slot q sees key slot
+l iff ``q - W < l <= q`` and the key is not padding. Slots are cache indices, so with
+left padding the window counts real tokens exactly as HF does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from aristax import MoE, MoEConfig
+from aristax.models import sparse_moe
+
+_FIELDS_HF_ONLY = ("dtype",)
+
+
+def _bad(field: str, value: Any, fix: str) -> ValueError:
+    return ValueError(f"MixtralConfig.{field}={value!r} is invalid: {fix}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MixtralConfig:
+    """Hyper-parameters of a Mixtral decoder, named as in Hugging Face's config.json.
+
+    ``head_dim`` None means ``hidden_size // num_attention_heads`` (resolved on build).
+    ``dtype`` is the parameter and compute dtype of this model ("float32" by default;
+    it is not read from a checkpoint, whose dtype only describes its storage).
+    """
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 14336
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 8
+    head_dim: int | None = None
+    num_local_experts: int = 8
+    num_experts_per_tok: int = 2
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 1e6
+    sliding_window: int | None = None
+    max_position_embeddings: int = 4096 * 32
+    tie_word_embeddings: bool = False
+    router_aux_loss_coef: float = 0.001
+    router_jitter_noise: float = 0.0
+    initializer_range: float = 0.02
+    bos_token_id: int | None = 1
+    eos_token_id: int | tuple[int, ...] | None = 2
+    pad_token_id: int | None = None
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "num_local_experts",
+                     "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise _bad(name, value, "must be a positive integer")
+        H, G = self.num_attention_heads, self.num_key_value_heads
+        if H % G:
+            raise _bad("num_key_value_heads", G, f"must divide num_attention_heads={H}")
+        if self.head_dim is None:
+            if self.hidden_size % H:
+                raise _bad("head_dim", None, f"set it explicitly: hidden_size="
+                           f"{self.hidden_size} is not divisible by num_attention_heads={H}")
+            object.__setattr__(self, "head_dim", self.hidden_size // H)
+        if not isinstance(self.head_dim, int) or self.head_dim < 2 or self.head_dim % 2:
+            raise _bad("head_dim", self.head_dim, "must be a positive even integer (rotary)")
+        E, K = self.num_local_experts, self.num_experts_per_tok
+        if not isinstance(K, int) or not 1 <= K <= E:
+            raise _bad("num_experts_per_tok", K, f"must be an integer in [1, {E}]")
+        if self.sliding_window is not None and (
+            not isinstance(self.sliding_window, int) or self.sliding_window < 1
+        ):
+            raise _bad("sliding_window", self.sliding_window, "use None or a positive integer")
+        for name in ("rms_norm_eps", "rope_theta"):
+            if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) <= 0:
+                raise _bad(name, getattr(self, name), "must be a number > 0")
+        if not 0 <= self.router_jitter_noise < 1:
+            raise _bad("router_jitter_noise", self.router_jitter_noise, "must be in [0, 1)")
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        try:
+            jnp.dtype(self.dtype)
+        except TypeError:
+            raise _bad("dtype", self.dtype, "use a JAX dtype name such as 'float32'") from None
+
+    # ----------------------------------------------------------------- HF config
+    @classmethod
+    def from_hf(cls, hf: dict, **overrides) -> MixtralConfig:
+        """Build from a Hugging Face ``config.json`` dict (transformers 4.x or 5.x).
+
+        Reads ``rope_theta`` from ``rope_parameters`` (5.x) or the top level (4.x);
+        only the "default" rope type is supported. Keys this model does not use
+        (``attention_dropout``, ``use_cache``, ...) are ignored.
+        """
+        model_type = hf.get("model_type", "mixtral")
+        if model_type != "mixtral":
+            raise ValueError(f"config.json has model_type={model_type!r}; Mixtral needs 'mixtral'")
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"config.json has hidden_act={act!r}; Mixtral experts need 'silu'")
+        rope = hf.get("rope_parameters") or {}
+        scaling = hf.get("rope_scaling")
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default" or scaling:
+            raise ValueError(
+                f"config.json asks for rope_type={rope_type!r} / rope_scaling={scaling!r}; "
+                "only plain rotary embeddings ('default') are supported"
+            )
+        theta = rope.get("rope_theta", hf.get("rope_theta", cls.rope_theta))
+        kwargs = {f.name: hf[f.name] for f in dataclasses.fields(cls)
+                  if f.name in hf and f.name not in _FIELDS_HF_ONLY}
+        kwargs["rope_theta"] = float(theta)
+        if kwargs.get("num_key_value_heads") is None:
+            kwargs["num_key_value_heads"] = hf.get("num_attention_heads", cls.num_attention_heads)
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    def to_hf(self) -> dict:
+        """The ``config.json`` dict that ``transformers.MixtralForCausalLM`` loads."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name not in ("rope_theta", "dtype")}
+        if isinstance(out["eos_token_id"], tuple):
+            out["eos_token_id"] = list(out["eos_token_id"])
+        out.update(
+            architectures=["MixtralForCausalLM"],
+            model_type="mixtral",
+            hidden_act="silu",
+            attention_dropout=0.0,
+            output_router_logits=False,
+            use_cache=True,
+            rope_parameters={"rope_theta": self.rope_theta, "rope_type": "default"},
+            dtype=self.dtype,
+        )
+        return out
+
+    def moe_config(self) -> MoEConfig:
+        """The ``aristax.MoEConfig`` of one Mixtral MoE block."""
+        return MoEConfig(
+            num_experts=self.num_local_experts,
+            top_k=self.num_experts_per_tok,
+            d_model=self.hidden_size,
+            d_ff=self.intermediate_size,
+            activation="swiglu",
+            router="softmax_topk",
+            normalize_weights=True,
+            lb_loss_coef=self.router_aux_loss_coef,
+            router_jitter=self.router_jitter_noise,
+            param_dtype=self.dtype,
+        )
+
+    def replace(self, **changes) -> MixtralConfig:
+        return dataclasses.replace(self, **changes)
+
+
+# --------------------------------------------------------------------- pure functions
+def rms_norm(x: jax.Array, weight_d: jax.Array, eps: float) -> jax.Array:
+    """weight * x / sqrt(mean(x^2) + eps), statistics in float32 (HF MixtralRMSNorm).
+
+    x: [..., D]; weight_d: [D]. Returns [..., D] in the promoted dtype of x and weight.
+    """
+    x32 = x.astype(jnp.float32)
+    var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+    normed = (x32 * jax.lax.rsqrt(var + eps)).astype(x.dtype)
+    return weight_d.astype(x.dtype) * normed
+
+
+def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float, dtype) -> tuple:
+    """cos, sin [B, S, Dh] of rotary embeddings (Su et al. 2021) in HF's layout.
+
+    inv_freq[i] = 1 / theta^(2i / Dh) in float32; angles = positions * inv_freq, repeated
+    twice along the last axis (HF ``MixtralRotaryEmbedding``). positions: int[B, S].
+    """
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x * cos + rotate_half(x) * sin for x [B, S, heads, Dh], cos/sin [B, S, Dh]."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+def attention_mask(
+    key_valid: jax.Array, query_slots: jax.Array, sliding_window: int | None
+) -> jax.Array:
+    """bool[B, S, L]: causal, padding and sliding-window mask over key slots.
+
+    key_valid: bool[B, L] (False: padding or an unwritten cache slot);
+    query_slots: int[S], the cache slot of each query.
+    """
+    L = key_valid.shape[-1]
+    slots = jnp.arange(L, dtype=query_slots.dtype)
+    allowed = slots[None, :] <= query_slots[:, None]
+    if sliding_window is not None:
+        allowed &= slots[None, :] > query_slots[:, None] - sliding_window
+    return allowed[None] & key_valid[:, None, :]
+
+
+def dot_attention(q, k, v, mask, scale: float) -> jax.Array:
+    """Grouped-query attention (HF ``eager_attention_forward``).
+
+    q: [B, S, H, Dh]; k, v: [B, L, G, Dh]; mask: bool[B, S, L]. Head h reads key/value
+    head h // (H // G). Scores and softmax in float32; masked scores are set to the
+    float32 minimum (as HF adds it), so fully masked rows (padding queries) stay finite.
+    Returns [B, S, H, Dh] in q's dtype.
+    """
+    B, S, H, Dh = q.shape
+    G = k.shape[2]
+    qg = q.reshape(B, S, G, H // G, Dh)
+    scores = jnp.einsum("bsgrd,blgd->bgrsl", qg, k,
+                        preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    out = jnp.einsum("bgrsl,blgd->bsgrd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(B, S, H, Dh).astype(q.dtype)
+
+
+def load_balancing_loss(
+    router_logits: Sequence[jax.Array],
+    num_experts: int,
+    top_k: int,
+    attention_mask: jax.Array | None = None,
+) -> jax.Array:
+    """Hugging Face Mixtral's ``load_balancing_loss_func`` (Switch Transformer eq. 4-6).
+
+    All layers' rows are pooled (as HF concatenates / accumulates them):
+    ``E * sum_e f_e * P_e`` with f_e the top-K assignments of expert e per row and
+    P_e the mean router probability of e, both averaged over rows of every layer and
+    weighted by ``attention_mask`` (padding rows count zero) when it is given.
+
+    Args:
+      router_logits: one float[..., E] per layer (each [B, S, E] or [B*S, E]).
+      attention_mask: optional [B, S] with 1 for real tokens.
+    Returns:
+      float32[] loss.
+    """
+    logits = jnp.concatenate(
+        [lg.reshape(-1, num_experts).astype(jnp.float32) for lg in router_logits], axis=0
+    )  # [N*T, E]
+    probs = jax.nn.softmax(logits, axis=-1)
+    _, ids = jax.lax.top_k(probs, top_k)
+    assigned = jnp.sum(jax.nn.one_hot(ids, num_experts, dtype=jnp.float32), axis=1)
+    if attention_mask is None:
+        rows = jnp.ones((logits.shape[0],), jnp.float32)
+    else:
+        rows = jnp.tile(attention_mask.reshape(-1).astype(jnp.float32), len(router_logits))
+    total = jnp.sum(rows)
+    tokens_per_expert = jnp.sum(assigned * rows[:, None], axis=0) / total
+    prob_per_expert = jnp.sum(probs * rows[:, None], axis=0) / total
+    return jnp.sum(tokens_per_expert * prob_per_expert) * num_experts
+
+
+# --------------------------------------------------------------------- cache / outputs
+@flax.struct.dataclass
+class KVCache:
+    """A fixed-size key/value cache.
+
+    Attributes:
+      keys, values: one [B, L, G, Dh] array per layer (rotary already applied to keys).
+      key_valid: bool[B, L], False for padding and for slots not yet written.
+      index: int32[], the next slot to write (the same for every row: prompts are
+        left-padded).
+    """
+
+    keys: tuple[jax.Array, ...]
+    values: tuple[jax.Array, ...]
+    key_valid: jax.Array
+    index: jax.Array
+
+    @classmethod
+    def init(cls, config: MixtralConfig, batch: int, length: int) -> KVCache:
+        shape = (batch, length, config.num_key_value_heads, config.head_dim)
+        zeros = tuple(jnp.zeros(shape, config.dtype) for _ in range(config.num_hidden_layers))
+        return cls(keys=zeros, values=tuple(jnp.zeros_like(z) for z in zeros),
+                   key_valid=jnp.zeros((batch, length), bool),
+                   index=jnp.zeros((), jnp.int32))
+
+
+@flax.struct.dataclass
+class MixtralOutput:
+    """logits float[B, S, V]; router_logits: one float32[B, S, E] per layer;
+    aux_loss: float32[] HF's load-balancing loss (None with a cache); cache: the
+    updated ``KVCache`` (None without one)."""
+
+    logits: jax.Array
+    router_logits: tuple[jax.Array, ...]
+    aux_loss: jax.Array | None = None
+    cache: KVCache | None = None
+
+
+# --------------------------------------------------------------------- modules
+def _normal(rngs: nnx.Rngs, shape, std: float, dtype) -> nnx.Param:
+    return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype) * std)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm with weight_d [D] (initialised to ones)."""
+
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight_d = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, self.weight_d[...], self.eps)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention: q_dn [D, H*Dh], k_dm, v_dm [D, G*Dh], o_nd [H*Dh, D]
+    (the transposes of HF's q/k/v/o_proj.weight)."""
+
+    def __init__(self, config: MixtralConfig, *, rngs: nnx.Rngs):
+        c, dt = config, config.dtype
+        D, H, G, Dh = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        std = c.initializer_range
+        self.q_dn = _normal(rngs, (D, H * Dh), std, dt)
+        self.k_dm = _normal(rngs, (D, G * Dh), std, dt)
+        self.v_dm = _normal(rngs, (D, G * Dh), std, dt)
+        self.o_nd = _normal(rngs, (H * Dh, D), std, dt)
+        self.num_heads, self.num_kv_heads, self.head_dim = H, G, Dh
+        self.sliding_window = c.sliding_window
+
+    def __call__(self, x, cos, sin, key_valid, query_slots, kv=None, index=None):
+        """x [B, S, D] -> ([B, S, D], (k, v)); with ``kv`` ([B, L, G, Dh] each) the new
+        keys/values are written at slot ``index`` and attention reads the whole cache."""
+        B, S, _ = x.shape
+        H, G, Dh = self.num_heads, self.num_kv_heads, self.head_dim
+        q = apply_rope((x @ self.q_dn[...]).reshape(B, S, H, Dh), cos, sin)
+        k = apply_rope((x @ self.k_dm[...]).reshape(B, S, G, Dh), cos, sin)
+        v = (x @ self.v_dm[...]).reshape(B, S, G, Dh)
+        if kv is not None:
+            k = jax.lax.dynamic_update_slice_in_dim(kv[0], k.astype(kv[0].dtype), index, 1)
+            v = jax.lax.dynamic_update_slice_in_dim(kv[1], v.astype(kv[1].dtype), index, 1)
+        mask = attention_mask(key_valid, query_slots, self.sliding_window)
+        out = dot_attention(q, k, v, mask, Dh ** -0.5)
+        return out.reshape(B, S, H * Dh) @ self.o_nd[...], (k, v)
+
+
+class DecoderLayer(nnx.Module):
+    """x + attn(norm(x)), then h + moe(norm(h)) (HF ``MixtralDecoderLayer``)."""
+
+    def __init__(self, config: MixtralConfig, *, rngs: nnx.Rngs):
+        D, eps, dt = config.hidden_size, config.rms_norm_eps, config.dtype
+        self.input_norm = RMSNorm(D, eps, dt)
+        self.attn = Attention(config, rngs=rngs)
+        self.post_attention_norm = RMSNorm(D, eps, dt)
+        self.moe = MoE(config.moe_config(), rngs=rngs)
+
+    def __call__(self, x, cos, sin, key_valid, query_slots, kv=None, index=None, views=None):
+        """Returns (x [B, S, D], router_logits float32[B, S, E], (k, v))."""
+        a, kv = self.attn(self.input_norm(x), cos, sin, key_valid, query_slots, kv, index)
+        h = x + a
+        m_in = self.post_attention_norm(h)
+        B, S, D = m_in.shape
+        if views is not None and sparse_moe.use_sparse(B * S):
+            cfg = self.moe.config
+            y, logits = sparse_moe.sparse_moe(
+                m_in.reshape(B * S, D), self.moe.router.weight_de[...], views,
+                cfg.router_config)
+            y, logits = y.reshape(B, S, D), logits.reshape(B, S, -1)
+        else:
+            y, aux = self.moe(m_in)
+            logits = aux["router_logits"]
+        return h + y.astype(h.dtype), logits, kv
+
+
+class Mixtral(nnx.Module):
+    """Mixtral causal LM: ``model(input_ids, attention_mask=None) -> MixtralOutput``.
+
+    Parameters: embed_vd [V, D] (HF embed_tokens.weight), layers (``DecoderLayer``),
+    norm, lm_head_dv [D, V] (HF lm_head.weight transposed; None when
+    ``tie_word_embeddings``, then the head is embed_vd.T).
+    """
+
+    def __init__(self, config: MixtralConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        V, D, dt = config.vocab_size, config.hidden_size, config.dtype
+        self.embed_vd = _normal(rngs, (V, D), config.initializer_range, dt)
+        self.layers = nnx.List(
+            [DecoderLayer(config, rngs=rngs) for _ in range(config.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(D, config.rms_norm_eps, dt)
+        self.lm_head_dv = (
+            None if config.tie_word_embeddings
+            else _normal(rngs, (D, V), config.initializer_range, dt)
+        )
+
+    def head_dv(self) -> jax.Array:
+        """The LM head [D, V]."""
+        return self.embed_vd[...].T if self.lm_head_dv is None else self.lm_head_dv[...]
+
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        attention_mask: jax.Array | None = None,
+        position_ids: jax.Array | None = None,
+        *,
+        cache: KVCache | None = None,
+        expert_views: Sequence | None = None,
+        last_only: bool = False,
+    ) -> MixtralOutput:
+        """Forward pass.
+
+        Args:
+          input_ids: int[B, S].
+          attention_mask: [B, S], 1 for real tokens, 0 for (left) padding; None: all 1.
+          position_ids: int[B, S]; None: ``index + arange(S)`` as HF's forward (note:
+            ``generate`` passes ``cumsum(attention_mask) - 1`` for padded prompts).
+          cache: a ``KVCache``; the S tokens are written at ``cache.index``.
+          expert_views: per-layer per-expert weights from ``sparse_moe.expert_views``;
+            when given (and ``sparse_moe.use_sparse(B*S)``), the MoE blocks read only
+            the experts that some token selected (the decode path).
+          last_only: compute logits for the last position only ([B, 1, V]).
+        Returns:
+          ``MixtralOutput``.
+        """
+        cfg = self.config
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}")
+        B, S = input_ids.shape
+        valid = (jnp.ones((B, S), bool) if attention_mask is None
+                 else jnp.asarray(attention_mask).astype(bool))
+        index = jnp.zeros((), jnp.int32) if cache is None else cache.index
+        query_slots = index + jnp.arange(S, dtype=jnp.int32)
+        if position_ids is None:
+            position_ids = jnp.broadcast_to(query_slots, (B, S))
+        key_valid = valid if cache is None else jax.lax.dynamic_update_slice_in_dim(
+            cache.key_valid, valid, index, 1)
+
+        x = jnp.take(self.embed_vd[...], input_ids, axis=0)
+        cos, sin = rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, x.dtype)
+        router_logits, keys, values = [], [], []
+        for i, layer in enumerate(self.layers):
+            kv = None if cache is None else (cache.keys[i], cache.values[i])
+            views = None if expert_views is None else expert_views[i]
+            x, logits, (k, v) = layer(x, cos, sin, key_valid, query_slots, kv, index, views)
+            router_logits.append(logits)
+            keys.append(k)
+            values.append(v)
+        x = self.norm(x)
+        if last_only:
+            x = x[:, -1:]
+        logits = x @ self.head_dv()
+        if cache is None:
+            aux = load_balancing_loss(router_logits, cfg.num_local_experts,
+                                      cfg.num_experts_per_tok, attention_mask)
+            new_cache = None
+        else:
+            aux = None
+            new_cache = KVCache(keys=tuple(keys), values=tuple(values),
+                                key_valid=key_valid, index=index + S)
+        return MixtralOutput(logits=logits, router_logits=tuple(router_logits),
+                             aux_loss=aux, cache=new_cache)
+
+    # ----------------------------------------------------------------- checkpoints
+    @classmethod
+    def from_pretrained(cls, directory, *, dtype: str | None = None) -> Mixtral:
+        """Load a local Hugging Face Mixtral directory (see ``aristax.models.hf``)."""
+        from aristax.models import hf
+
+        return hf.load_pretrained(directory, dtype=dtype)
+
+    def save_pretrained(self, directory, *, max_shard_bytes: int | None = None) -> None:
+        """Write config.json + safetensors that ``transformers`` loads."""
+        from aristax.models import hf
+
+        hf.save_pretrained(self, directory, max_shard_bytes=max_shard_bytes)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "last_only"))
+def _forward(graphdef, state, input_ids, attention_mask, position_ids, expert_views, last_only):
+    model = nnx.merge(graphdef, state)
+    return model(input_ids, attention_mask, position_ids, expert_views=expert_views,
+                 last_only=last_only)
+
+
+def forward(
+    model: Mixtral,
+    input_ids: jax.Array,
+    attention_mask: jax.Array | None = None,
+    position_ids: jax.Array | None = None,
+    *,
+    expert_views: Sequence | None = None,
+    last_only: bool = False,
+) -> MixtralOutput:
+    """``model(input_ids, ...)`` without a cache, compiled once per input shape.
+
+    Calling the module directly runs op by op (each op compiled on first use); this
+    traces the whole forward into one ``jax.jit`` program over ``nnx.split(model)``.
+    """
+    graphdef, state = nnx.split(model)
+    return _forward(graphdef, state, input_ids, attention_mask, position_ids,
+                    expert_views, last_only)

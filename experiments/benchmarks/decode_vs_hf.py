@@ -1,0 +1,317 @@
+"""Decode latency of aristax Mixtral vs Hugging Face eager, against a memory roofline.
+
+TinyMistral-6x248M-sized model (hidden 1024, expert hidden 4096, 12 layers, 6 experts,
+top-2, 32 heads, 8 KV heads, vocab 32000), random weights, float32, on this machine:
+
+* batch 1, a 10-token prompt, 128 greedy new tokens: per-token decode latency of
+  aristax (``generate``: one compiled decode step, fixed KV cache) and of HF eager
+  (``MixtralForCausalLM``, attn_implementation="eager", a ``DynamicCache`` loop, which
+  is ``generate`` without its logits processors);
+* the roofline: bytes of the weights one decode token must read (attention, router,
+  K experts, LM head, the KV cache) / the weight-streaming bandwidth of a float32
+  4096x16384 matrix-vector product measured with JAX in the same run;
+* decode latency vs number of experts (top-2; models of ``--sweep-layers`` layers,
+  measured round-robin): decode reads only the 2 selected experts, so it should stay
+  flat;
+* batch 8 decode and a 512-token prefill, aristax and HF.
+
+    python experiments/benchmarks/decode_vs_hf.py            # full run (minutes)
+    python experiments/benchmarks/decode_vs_hf.py --quick    # 2 layers, 16 tokens
+
+XLA:CPU's default dot emitter streams a matrix-vector product at about half of what
+torch/numpy reach on this machine; ``--xla-flags`` (default: XNNPACK dots) is exported
+before JAX starts and applies to aristax and to the JAX roofline alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--prompt", type=int, default=10)
+    p.add_argument("--experts", type=int, default=6)
+    p.add_argument("--sweep-experts", default="2,4,6,8", help="'' to skip the sweep")
+    p.add_argument("--sweep-layers", type=int, default=4,
+                   help="layers of the sweep models (all are held in memory at once)")
+    p.add_argument("--sweep-rounds", type=int, default=4)
+    p.add_argument("--batch", type=int, default=8, help="batched decode (0 to skip)")
+    p.add_argument("--prefill", type=int, default=512, help="prefill length (0 to skip)")
+    p.add_argument("--no-hf", action="store_true", help="skip Hugging Face")
+    p.add_argument("--quick", action="store_true",
+                   help="2 layers, 16 new tokens, sweep 2,8, batch 8, prefill 128")
+    p.add_argument("--xla-flags", default="--xla_cpu_use_xnnpack=true")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                 "results", "decode_vs_hf_cpu.json"))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.layers, args.new_tokens, args.sweep_experts = 2, 16, "2,8"
+        args.sweep_layers, args.sweep_rounds = 2, 2
+        args.prefill = min(args.prefill, 128)
+    return args
+
+
+ARGS = parse_args() if __name__ == "__main__" else None
+if ARGS is not None and ARGS.xla_flags:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + ARGS.xla_flags).strip()
+
+import json  # noqa: E402
+import platform  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from aristax.models import Mixtral, MixtralConfig  # noqa: E402
+from aristax.models.generate import expert_views, generate_with_stats  # noqa: E402
+
+
+def tiny_mistral(layers: int, experts: int) -> MixtralConfig:
+    return MixtralConfig(vocab_size=32000, hidden_size=1024, intermediate_size=4096,
+                         num_hidden_layers=layers, num_attention_heads=32,
+                         num_key_value_heads=8, num_local_experts=experts,
+                         num_experts_per_tok=2, max_position_embeddings=4096,
+                         eos_token_id=None)
+
+
+def weight_bytes_per_token(cfg: MixtralConfig, cache_len: int) -> int:
+    """Bytes one decode token reads: attention, router, K experts, norms per layer,
+    the KV cache, the final norm and the LM head (the embedding row is negligible)."""
+    D, Dh, H, G = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, \
+        cfg.num_key_value_heads
+    item = jnp.dtype(cfg.dtype).itemsize
+    attn = D * H * Dh * 2 + D * G * Dh * 2
+    experts = cfg.num_experts_per_tok * 3 * D * cfg.intermediate_size
+    per_layer = attn + D * cfg.num_local_experts + experts + 2 * D + 2 * cache_len * G * Dh
+    return item * (cfg.num_hidden_layers * per_layer + D + D * cfg.vocab_size)
+
+
+def streaming_bandwidth(rows=4096, cols=16384, reps=30) -> dict:
+    """GB/s of a float32 [rows, cols] matrix-vector product under jax.jit (best of reps)."""
+    w = jax.random.normal(jax.random.key(0), (rows, cols), jnp.float32)
+    v = jax.random.normal(jax.random.key(1), (rows,), jnp.float32)
+    f = jax.jit(lambda w, v: v @ w)
+    f(w, v).block_until_ready()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        f(w, v).block_until_ready()
+        times.append(time.perf_counter() - t)
+    best, med = min(times), float(np.median(times))
+    return {"shape": [rows, cols], "best_ms": 1e3 * best, "median_ms": 1e3 * med,
+            "gb_per_s_best": w.nbytes / best / 1e9, "gb_per_s_median": w.nbytes / med / 1e9}
+
+
+def build(cfg: MixtralConfig, seed: int = 0) -> Mixtral:
+    t = time.perf_counter()
+    model = Mixtral(cfg, rngs=nnx.Rngs(seed))
+    jax.block_until_ready(nnx.state(model))
+    log(f"  built {cfg.num_local_experts}-expert model in {time.perf_counter() - t:.1f}s")
+    return model
+
+
+def step_stats(step_s, batch: int) -> dict:
+    """Per-step decode latency: mean, median and min (the min and median resist other
+    processes' load; the mean is what a user waits)."""
+    ms = 1e3 * np.asarray(step_s)
+    return {"ms_per_token": float(ms.mean()), "ms_per_token_median": float(np.median(ms)),
+            "ms_per_token_min": float(ms.min()), "tokens_per_s": 1e3 / float(ms.mean()) * batch,
+            "steps": int(ms.size)}
+
+
+def ours_decode(model, prompt, new_tokens, views, repeats=2) -> dict:
+    """Steady-state decode steps of ``repeats`` runs pooled (each run's first decode
+    step, which compiles when cold, is excluded; the first run's prefill compiles, so
+    the prefill reported is the best run's)."""
+    runs = [generate_with_stats(model, prompt, new_tokens, views=views)
+            for _ in range(repeats)]
+    steps = [t for _, st in runs for t in st.step_s]
+    res = step_stats(steps, prompt.shape[0])
+    res["prefill_ms"] = 1e3 * min(st.prefill_s for _, st in runs)
+    res["tokens"] = runs[-1][0][:, prompt.shape[1]:]
+    return res
+
+
+def hf_decode(hf, prompt, new_tokens) -> dict:
+    """HF eager: prefill, then a DynamicCache loop of greedy single-token steps."""
+    import torch
+
+    ids = torch.as_tensor(prompt)
+    with torch.no_grad():
+        hf(ids[:, :2], use_cache=True)  # warm-up
+        t0 = time.perf_counter()
+        out = hf(ids, use_cache=True)
+        prefill = time.perf_counter() - t0
+        past, tok = out.past_key_values, out.logits[:, -1].argmax(-1)
+        tokens, times = [tok], []
+        for _ in range(new_tokens - 1):
+            t = time.perf_counter()
+            out = hf(tok[:, None], past_key_values=past, use_cache=True)
+            past, tok = out.past_key_values, out.logits[:, -1].argmax(-1)
+            times.append(time.perf_counter() - t)
+            tokens.append(tok)
+    res = step_stats(times[1:], prompt.shape[0])
+    res.update(prefill_ms=1e3 * prefill, tokens=torch.stack(tokens, 1).numpy())
+    return res
+
+
+def prefill_ms(model, prompt, views, hf=None) -> dict:
+    generate_with_stats(model, prompt, 1, views=views)  # compile
+    ours = min(generate_with_stats(model, prompt, 1, views=views)[1].prefill_s
+               for _ in range(2))
+    res = {"tokens": int(prompt.shape[1]), "ours_ms": 1e3 * ours}
+    if hf is not None:
+        import torch
+
+        with torch.no_grad():
+            t = time.perf_counter()
+            hf(torch.as_tensor(prompt), use_cache=True)
+            res["hf_ms"] = 1e3 * (time.perf_counter() - t)
+        res["ours_over_hf"] = res["ours_ms"] / res["hf_ms"]
+    return res
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def machine_info() -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(),
+            "cpu_count": os.cpu_count(), "jax": jax.__version__,
+            "device_kind": jax.devices()[0].device_kind,
+            "backend": jax.default_backend(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu"] = next(line.split(":", 1)[1].strip() for line in f
+                               if line.startswith("model name"))
+    except (OSError, StopIteration):
+        info["cpu"] = platform.processor()
+    try:
+        info["loadavg_at_start"] = os.getloadavg()
+    except OSError:
+        pass
+    return info
+
+
+def ratios(name: str, res: dict, roofline: float) -> dict:
+    return {f"{name}_over_roofline": res["ms_per_token"] / roofline,
+            f"{name}_over_roofline_median": res["ms_per_token_median"] / roofline,
+            f"{name}_over_roofline_min": res["ms_per_token_min"] / roofline}
+
+
+def strip(d: dict) -> dict:
+    return {k: v for k, v in d.items() if k != "tokens"}
+
+
+def main(args):
+    result = {"machine": machine_info(), "args": {k: v for k, v in vars(args).items()}}
+    cfg = tiny_mistral(args.layers, args.experts)
+    result["model"] = {k: getattr(cfg, k) for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads", "num_local_experts",
+        "num_experts_per_tok", "dtype")}
+    log("bandwidth ...")
+    bw = streaming_bandwidth()
+    result["bandwidth"] = bw
+    cache_len = args.prompt + args.new_tokens
+    nbytes = weight_bytes_per_token(cfg, cache_len)
+    roofline = 1e3 * nbytes / (bw["gb_per_s_best"] * 1e9)
+    result["roofline"] = {"bytes_per_token": nbytes, "ms_per_token": roofline,
+                          "bandwidth_gb_per_s": bw["gb_per_s_best"]}
+    log(f"  {bw['gb_per_s_best']:.1f} GB/s; {nbytes / 1e9:.3f} GB/token; "
+        f"roofline {roofline:.1f} ms/token")
+
+    model = build(cfg)
+    views = expert_views(model)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, cfg.vocab_size, size=(1, args.prompt)).astype(np.int32)
+    log("aristax decode ...")
+    ours = ours_decode(model, prompt, args.new_tokens, views)
+    log(f"  {ours['ms_per_token']:.2f} ms/token")
+    result["decode_b1"] = {"ours": strip(ours), **ratios("ours", ours, roofline)}
+
+    hf = None
+    if not args.no_hf:
+        import torch
+        import transformers
+
+        result["machine"].update(torch=torch.__version__, torch_threads=torch.get_num_threads(),
+                                 transformers=transformers.__version__)
+        with tempfile.TemporaryDirectory() as tmp:
+            log("saving for HF ...")
+            model.save_pretrained(tmp)
+            hf = transformers.MixtralForCausalLM.from_pretrained(
+                tmp, attn_implementation="eager", dtype=torch.float32).eval()
+        log("HF eager decode ...")
+        ref = hf_decode(hf, prompt, args.new_tokens)
+        log(f"  {ref['ms_per_token']:.2f} ms/token")
+        same = (ours["tokens"] == ref["tokens"])[0]
+        agree = int(np.argmin(same)) if not same.all() else int(same.size)
+        result["decode_b1"].update(
+            hf=strip(ref), **ratios("hf", ref, roofline),
+            ours_over_hf=ours["ms_per_token"] / ref["ms_per_token"],
+            ours_over_hf_median=ours["ms_per_token_median"] / ref["ms_per_token_median"],
+            greedy_tokens_agree_prefix=agree, tokens_compared=int(same.size))
+
+    if args.batch:
+        log(f"batch {args.batch} decode ...")
+        bprompt = rng.integers(0, cfg.vocab_size, size=(args.batch, args.prompt)).astype(np.int32)
+        new = min(args.new_tokens, 32)
+        bo = ours_decode(model, bprompt, new, views)
+        res = {"batch": args.batch, "new_tokens": new, "ours": strip(bo)}
+        if hf is not None:
+            bh = hf_decode(hf, bprompt, new)
+            res.update(hf=strip(bh), ours_over_hf=bo["ms_per_token"] / bh["ms_per_token"])
+        result["decode_batch"] = res
+        log(f"  {res}")
+    if args.prefill:
+        log(f"prefill {args.prefill} ...")
+        pprompt = rng.integers(0, cfg.vocab_size, size=(1, args.prefill)).astype(np.int32)
+        result["prefill"] = prefill_ms(model, pprompt, views, hf)
+        log(f"  {result['prefill']}")
+    del hf, model, views
+
+    sweep = [int(e) for e in args.sweep_experts.split(",") if e]
+    if sweep:
+        # all models at once (args.sweep_layers layers to fit in memory), measured
+        # round-robin so that other processes' load hits every E alike
+        models = {}
+        for E in sweep:
+            log(f"experts sweep: building E={E} ({args.sweep_layers} layers) ...")
+            m = build(tiny_mistral(args.sweep_layers, E), seed=E)
+            models[E] = (m, expert_views(m))
+            generate_with_stats(m, prompt, 2, views=models[E][1])  # compile
+        steps = {E: [] for E in sweep}
+        new = min(args.new_tokens, 32)
+        for _ in range(args.sweep_rounds):
+            for E, (m, v) in models.items():
+                steps[E] += generate_with_stats(m, prompt, new, views=v)[1].step_s
+        rows = [{"experts": E, **step_stats(steps[E], 1)} for E in sweep]
+        flat = {}
+        for key in ("ms_per_token", "ms_per_token_median", "ms_per_token_min"):
+            ms = [r[key] for r in rows]
+            flat[key] = max(ms) / min(ms)
+        result["experts_sweep"] = {"top_k": 2, "layers": args.sweep_layers,
+                                   "rows": rows, "max_over_min": flat}
+        log(f"  {result['experts_sweep']}")
+        del models
+
+    result["machine"]["loadavg_at_end"] = os.getloadavg()
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2, default=float)
+    log(json.dumps({k: result[k] for k in result if k not in ("machine", "args")},
+                   indent=1, default=float))
+    return result
+
+
+if __name__ == "__main__":
+    main(ARGS)

@@ -1,0 +1,130 @@
+"""Reading Hugging Face checkpoints in both expert layouts, sharded or not, and the
+errors for missing or mis-shaped tensors; MixtralConfig <-> config.json."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import transformers
+from mixtral_cases import hf_logits
+from safetensors.numpy import load_file, save_file
+from safetensors.torch import save_file as torch_save_file
+
+from aristax.models import Mixtral, MixtralConfig, forward
+from aristax.models.hf import CheckpointError
+
+B, S = 3, 13  # the forward shape of test_mixtral_parity: compiled once per model
+
+
+def _ids(pair):
+    return np.random.default_rng(7).integers(0, pair.hf.config.vocab_size, size=(B, S))
+
+
+def _assert_same_logits(model, pair):
+    ids = _ids(pair)
+    np.testing.assert_allclose(np.asarray(forward(model, jnp.asarray(ids)).logits),
+                               hf_logits(pair.hf, ids).logits.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_reads_hf_sharded_checkpoint(small_pair, tmp_path):
+    small_pair.hf.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    _assert_same_logits(Mixtral.from_pretrained(tmp_path), small_pair)
+
+
+def test_reads_fused_expert_layout(small_pair, tmp_path):
+    """transformers 5 holds experts fused in memory (mlp.experts.gate_up_proj [E,2F,D],
+    down_proj [E,D,F]); a state_dict saved as is must load too."""
+    state = {k: v.contiguous() for k, v in small_pair.hf.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    torch_save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(small_pair.path / "config.json", tmp_path / "config.json")
+    _assert_same_logits(Mixtral.from_pretrained(tmp_path), small_pair)
+    # and transformers reads that layout back as well
+    hf = transformers.MixtralForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    np.testing.assert_array_equal(hf_logits(hf.eval(), _ids(small_pair)).logits.numpy(),
+                                  hf_logits(small_pair.hf, _ids(small_pair)).logits.numpy())
+
+
+def _edit_checkpoint(src, dst, edit):
+    shutil.copy(src / "config.json", dst / "config.json")
+    tensors = load_file(src / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_missing_tensor_is_named(small_pair, tmp_path):
+    name = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
+    _edit_checkpoint(small_pair.path, tmp_path, lambda t: t.pop(name))
+    with pytest.raises(CheckpointError, match=r"missing tensor .*experts\.3\.w2\.weight.*"
+                                              r"expected shape \(32, 48\)"):
+        Mixtral.from_pretrained(tmp_path)
+
+
+def test_mismatched_tensor_shape_is_named(small_pair, tmp_path):
+    name = "model.layers.0.self_attn.k_proj.weight"
+
+    def edit(t):
+        t[name] = np.zeros((8, 32), np.float32)
+
+    _edit_checkpoint(small_pair.path, tmp_path, edit)
+    with pytest.raises(CheckpointError, match=r"k_proj\.weight.*shape \(8, 32\), "
+                                              r"expected \(16, 32\)"):
+        Mixtral.from_pretrained(tmp_path)
+
+
+def test_untied_checkpoint_without_lm_head_fails(small_pair, tmp_path):
+    _edit_checkpoint(small_pair.path, tmp_path, lambda t: t.pop("lm_head.weight"))
+    with pytest.raises(CheckpointError, match="lm_head.weight"):
+        Mixtral.from_pretrained(tmp_path)
+
+
+def test_missing_config_fails(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        Mixtral.from_pretrained(tmp_path)
+
+
+# --------------------------------------------------------------------- config
+def test_config_round_trips_through_transformers():
+    cfg = MixtralConfig(vocab_size=100, hidden_size=64, intermediate_size=96,
+                        num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
+                        num_local_experts=6, num_experts_per_tok=2, sliding_window=16,
+                        rope_theta=5e5, tie_word_embeddings=True, eos_token_id=(2, 7))
+    hf = transformers.MixtralConfig(**cfg.to_hf())
+    assert hf.rope_parameters["rope_theta"] == 5e5
+    assert hf.num_local_experts == 6 and hf.head_dim == 8 and hf.sliding_window == 16
+    assert MixtralConfig.from_hf(hf.to_dict()) == cfg
+
+
+def test_config_reads_legacy_rope_theta():
+    cfg = MixtralConfig.from_hf({"model_type": "mixtral", "rope_theta": 1234.0,
+                                 "hidden_size": 32, "num_attention_heads": 4,
+                                 "num_key_value_heads": None})
+    assert cfg.rope_theta == 1234.0 and cfg.num_key_value_heads == 4 and cfg.head_dim == 8
+
+
+@pytest.mark.parametrize("hf, match", [
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
+     "rope_type='yarn'"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"model_type": "llama"}, "model_type"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads=3"),
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok=9"),
+    ({"sliding_window": 0}, "sliding_window=0"),
+])
+def test_config_rejects_unsupported(hf, match):
+    with pytest.raises(ValueError, match=match):
+        MixtralConfig.from_hf(hf)
+
+
+def test_saved_config_is_plain_json(small_pair, tmp_path):
+    small_pair.ours.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["MixtralForCausalLM"]
+    assert cfg["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "default"}

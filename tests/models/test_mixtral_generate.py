@@ -1,0 +1,134 @@
+"""generate(): one compiled prefill and one compiled decode step, top-p sampling against
+HF's TopPLogitsWarper, argument errors, and the ``aristax generate`` CLI."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from aristax.models import cli as models_cli
+from aristax.models import generate
+from aristax.models.generate import top_p_mask
+
+# the module (``aristax.models.generate`` the attribute is the exported function)
+gen_lib = importlib.import_module("aristax.models.generate")
+
+
+@contextlib.contextmanager
+def count_compiles():
+    """Counts XLA backend compilations inside the block."""
+    events = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield events
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_one_prefill_and_one_decode_compile(small_pair):
+    """12 new tokens: exactly one prefill and one decode-step compilation; new sampling
+    values (temperature, top_p, EOS ids) reuse the compiled steps."""
+    model = small_pair.ours
+    ids = np.random.default_rng(0).integers(3, 100, size=(2, 5))  # shapes no other test uses
+    gen_lib.expert_views(model), jax.random.key(0)  # warm the eager helpers
+    prefill0, decode0 = gen_lib._prefill._cache_size(), gen_lib._decode._cache_size()
+    with count_compiles() as compiles:
+        out = generate(model, ids, 12)
+    assert out.shape == (2, 17)
+    assert len(compiles) == 2, compiles
+    assert gen_lib._prefill._cache_size() == prefill0 + 1
+    assert gen_lib._decode._cache_size() == decode0 + 1
+    generate(model, ids, 12, temperature=0.5, top_p=0.9, eos_token_id=[5, 6])
+    with count_compiles() as compiles:
+        generate(model, ids, 12, temperature=0.7, top_p=0.8, eos_token_id=9, pad_token_id=1)
+    assert compiles == []
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.3, 0.7, 0.95])
+def test_top_p_mask_matches_hf_warper(top_p):
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(int(top_p * 100))) * 3
+    ref = transformers.generation.TopPLogitsWarper(top_p)(None, logits.clone()).numpy()
+    ours = np.asarray(top_p_mask(jnp.asarray(logits.numpy()), jnp.float32(top_p)))
+    np.testing.assert_array_equal(np.isinf(ours), np.isinf(ref))
+    np.testing.assert_array_equal(ours[~np.isinf(ours)], ref[~np.isinf(ref)])
+    assert np.isinf(ours).any() or top_p > 0.9  # the nucleus really cuts
+
+
+def test_sampling(small_pair):
+    model = small_pair.ours
+    ids = np.random.default_rng(1).integers(3, 100, size=(1, 9))
+    greedy = generate(model, ids, 32)
+    # a tiny top_p keeps only the argmax token: sampling then equals greedy
+    np.testing.assert_array_equal(
+        generate(model, ids, 32, temperature=1.0, top_p=1e-6, rng=jax.random.key(3)), greedy)
+    a = generate(model, ids, 32, temperature=1.5, rng=jax.random.key(1))
+    b = generate(model, ids, 32, temperature=1.5, rng=jax.random.key(1))
+    c = generate(model, ids, 32, temperature=1.5, rng=jax.random.key(2))
+    np.testing.assert_array_equal(a, b)
+    assert (a != c).any() and (a != greedy).any()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(attention_mask=np.array([[1, 1, 0]])), "left-padded"),
+    (dict(attention_mask=np.array([[1, 1]])), "shape"),
+    (dict(input_ids=np.zeros(3, np.int32)), "input_ids"),
+])
+def test_generate_argument_errors(small_pair, kwargs, match):
+    args = dict(input_ids=np.ones((1, 3), np.int32), max_new_tokens=4)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        generate(small_pair.ours, args.pop("input_ids"), args.pop("max_new_tokens"), **args)
+
+
+def _run_cli(argv, capsys):
+    parser = argparse.ArgumentParser(prog="aristax")
+    models_cli.register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["generate", *argv])
+    assert args.func(args) == 0
+    return capsys.readouterr().out
+
+
+def test_cli_generate_with_ids(small_pair, capsys):
+    ids = [5, 17, 42, 9]
+    out = json.loads(_run_cli([str(small_pair.path), "--ids", *map(str, ids),
+                               "--max-new-tokens", "6", "--eos-token-id", "-1", "--json"],
+                              capsys))
+    expected = generate(small_pair.ours, np.asarray([ids]), 6)[0, len(ids):].tolist()
+    assert out["new_ids"] == expected
+    assert out["decode_tokens_per_s"] > 0
+
+
+def test_cli_generate_with_text(small_pair, tmp_path, capsys):
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {f"w{i}": i for i in range(small_pair.hf.config.vocab_size)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    for f in small_pair.path.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    tok.save(str(tmp_path / "tokenizer.json"))
+    text = _run_cli([str(tmp_path), "--text", "w5 w17 w42 w9", "--max-new-tokens", "6",
+                     "--eos-token-id", "-1"], capsys)
+    expected = generate(small_pair.ours, np.asarray([[5, 17, 42, 9]]), 6)[0, 4:].tolist()
+    assert f"new tokens: {' '.join(map(str, expected))}" in text
+    assert "tokens/s" in text and "text: w" in text
+
+
+def test_generate_is_exported():
+    assert generate is gen_lib.generate

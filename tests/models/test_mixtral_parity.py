@@ -1,0 +1,135 @@
+"""aristax Mixtral against transformers.MixtralForCausalLM: logits, aux loss, greedy
+generation (single prompt and left-padded batch), EOS handling, checkpoint round trip."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+from mixtral_cases import hf_logits, left_padded
+
+from aristax.models import Mixtral, forward, generate
+from aristax.models.generate import expert_views
+
+RTOL, ATOL = 1e-4, 1e-5
+PROMPT, NEW = 9, 32
+B, S = 3, 13  # one forward shape for every test: one compile per model
+
+
+def test_logits_and_aux_loss_match_hf(pair):
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, pair.hf.config.vocab_size, size=(B, S))
+    ref = hf_logits(pair.hf, ids, output_router_logits=True)
+    out = forward(pair.ours, jnp.asarray(ids))
+    np.testing.assert_allclose(np.asarray(out.logits), ref.logits.numpy(), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(float(out.aux_loss), float(ref.aux_loss), rtol=1e-6)
+    for ours_l, hf_l in zip(out.router_logits, ref.router_logits, strict=True):
+        np.testing.assert_allclose(np.asarray(ours_l).reshape(hf_l.shape), hf_l.numpy(),
+                                   rtol=RTOL, atol=ATOL)
+
+
+def test_padded_logits_and_aux_loss_match_hf(pair):
+    ids, mask = left_padded(np.random.default_rng(1), [S, 8, 3], S, pair.hf.config.vocab_size)
+    ref = hf_logits(pair.hf, ids, mask, output_router_logits=True)
+    out = forward(pair.ours, jnp.asarray(ids), jnp.asarray(mask))
+    real = mask.astype(bool)  # padding queries are meaningless in both
+    np.testing.assert_allclose(np.asarray(out.logits)[real], ref.logits.numpy()[real],
+                               rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(float(out.aux_loss), float(ref.aux_loss), rtol=1e-6)
+    # the mask must matter: without it the aux loss differs
+    unmasked = float(forward(pair.ours, jnp.asarray(ids)).aux_loss)
+    assert abs(unmasked - float(ref.aux_loss)) > 1e-6
+
+
+def test_sliding_window_matters(small_pair):
+    """Guard against a vacuous window test: the window changes the logits."""
+    window = small_pair.hf.config.sliding_window
+    assert window is not None and window < S
+    ids = np.random.default_rng(2).integers(0, small_pair.hf.config.vocab_size, size=(B, S))
+    no_window = nnx.merge(*nnx.split(small_pair.ours))  # a copy sharing the weights
+    for layer in no_window.layers:
+        layer.attn.sliding_window = None
+    a = np.asarray(forward(small_pair.ours, jnp.asarray(ids)).logits)
+    b = np.asarray(forward(no_window, jnp.asarray(ids)).logits)
+    np.testing.assert_allclose(a[:, :window], b[:, :window], rtol=1e-6, atol=1e-6)
+    assert np.abs(a - b)[:, window:].max() > 1e-3
+
+
+def hf_generate(hf, ids, mask=None, **kw):
+    with torch.no_grad():
+        return hf.generate(torch.as_tensor(ids), attention_mask=None if mask is None
+                           else torch.as_tensor(mask), max_new_tokens=NEW, do_sample=False,
+                           **kw).numpy()
+
+
+def test_greedy_generation_matches_hf(small_pair):
+    """One prompt, no attention mask (the batched cases below cover every model)."""
+    ids = np.random.default_rng(3).integers(3, small_pair.hf.config.vocab_size, size=(1, PROMPT))
+    ours = generate(small_pair.ours, ids, NEW)
+    np.testing.assert_array_equal(ours, hf_generate(small_pair.hf, ids))
+
+
+def test_left_padded_batch_generation_matches_hf(pair):
+    ids, mask = left_padded(np.random.default_rng(4), [PROMPT, 5, 1], PROMPT,
+                            pair.hf.config.vocab_size)
+    ours = generate(pair.ours, ids, NEW, attention_mask=mask)
+    ref = hf_generate(pair.hf, ids, mask)
+    assert ours.shape == ref.shape == (3, PROMPT + NEW)
+    np.testing.assert_array_equal(ours, ref)
+
+
+def test_eos_stops_rows_like_hf(small_pair):
+    ids, mask = left_padded(np.random.default_rng(4), [PROMPT, 5, 1], PROMPT,
+                            small_pair.hf.config.vocab_size)
+    free = hf_generate(small_pair.hf, ids, mask)
+    eos = int(free[0, PROMPT + 3])  # row 0 ends after 4 tokens; others may run on
+    ref = hf_generate(small_pair.hf, ids, mask, eos_token_id=eos, pad_token_id=0)
+    ours = generate(small_pair.ours, ids, NEW, attention_mask=mask, eos_token_id=eos,
+                    pad_token_id=0)
+    np.testing.assert_array_equal(ours, ref)
+    assert (ours[0, PROMPT + 4:] == 0).all()
+
+
+def test_sparse_decode_path_matches_module_path(small_pair):
+    """The small-T expert path (per-expert views) equals the aristax.MoE path."""
+    ids, mask = left_padded(np.random.default_rng(5), [S, 8, 3], S,
+                            small_pair.hf.config.vocab_size)
+    model, ids, mask = small_pair.ours, jnp.asarray(ids), jnp.asarray(mask)
+    dense = forward(model, ids, mask)
+    sparse = forward(model, ids, mask, expert_views=expert_views(model))
+    np.testing.assert_allclose(np.asarray(sparse.logits), np.asarray(dense.logits),
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_saved_checkpoint_loads_in_hf(pair, tmp_path, shard):
+    pair.ours.save_pretrained(tmp_path, max_shard_bytes=20_000 if shard else None)
+    assert (tmp_path / "model.safetensors.index.json").exists() == shard
+    reloaded = transformers.MixtralForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="eager").eval()
+    ids = np.random.default_rng(6).integers(0, pair.hf.config.vocab_size, size=(B, S))
+    np.testing.assert_array_equal(hf_logits(reloaded, ids).logits.numpy(),
+                                  hf_logits(pair.hf, ids).logits.numpy())
+    ours_again = Mixtral.from_pretrained(tmp_path)
+    np.testing.assert_array_equal(np.asarray(forward(ours_again, jnp.asarray(ids)).logits),
+                                  np.asarray(forward(pair.ours, jnp.asarray(ids)).logits))
+
+
+@pytest.mark.parametrize("top_k, with_mask", [(1, False), (2, True), (3, True)])
+def test_load_balancing_loss_matches_hf_function(top_k, with_mask):
+    """The pure loss against HF's load_balancing_loss_func on 3 layers of logits."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from aristax.models.mixtral import load_balancing_loss
+
+    gen = torch.Generator().manual_seed(top_k)
+    layers = tuple(torch.randn(4 * 7, 6, generator=gen) * 2 for _ in range(3))
+    mask = torch.ones(4, 7, dtype=torch.long)
+    mask[1, :3] = mask[3, :6] = 0
+    ref = load_balancing_loss_func(layers, 6, top_k, mask if with_mask else None)
+    ours = load_balancing_loss([jnp.asarray(x.numpy()) for x in layers], 6, top_k,
+                               jnp.asarray(mask.numpy()) if with_mask else None)
+    np.testing.assert_allclose(float(ours), float(ref), rtol=1e-6)
