@@ -1,0 +1,47 @@
+"""The distribution installs one namespace: aristax, aristax.pallas_kernels, aristax.parallel."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import tomllib
+import zipfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MAPPING = {"aristax": "aristax", "aristax.pallas_kernels": "pallas_kernels",
+           "aristax.parallel": "parallel"}
+
+
+def _package_dirs() -> set[str]:
+    found = set()
+    for name, folder in MAPPING.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder)
+            found.add(".".join([name, *rel.parts]) if rel.parts else name)
+    return found
+
+
+def test_every_package_is_listed_in_pyproject():
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    assert listed == _package_dirs()
+
+
+def test_wheel_installs_and_imports(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
+                    str(tmp_path / "dist"), str(ROOT)], check=True)
+    wheel = next((tmp_path / "dist").glob("aristax-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "aristax/pallas_kernels/ragged_dot/api.py" in names
+    assert "aristax/parallel/__init__.py" in names
+    assert not any(n.startswith(("pallas_kernels/", "parallel/")) for n in names)
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",
+                    str(site), str(wheel)], check=True)
+    code = ("import aristax, aristax.pallas_kernels, aristax.parallel, aristax.cli;"
+            "print(aristax.__file__)")
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd=tmp_path,
+                         capture_output=True, text=True).stdout
+    assert out.strip().startswith(str(site)), out
