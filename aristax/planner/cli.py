@@ -1,7 +1,10 @@
 """`aristax plan`: print (and optionally save) a Plan for a topology.
 
     aristax plan TOPOLOGY [--experts N] [--top-k K] [--d-model D] [--d-ff F]
-                 [--tokens T] [--json OUT.json]
+                 [--tokens T] [--json OUT.json] [--png OUT.png]
+
+The plan prints as rich tables (devices; rounds per group; partitions; simulated
+time); ``--png`` draws it with matplotlib (the ``plot`` extra).
 
 TOPOLOGY is a YAML/JSON file (``Topology.load``) or a preset spec ``name[:arg,...]``,
 e.g. ``perlmutter:4`` (4 nodes), ``dgx_h100:2``, ``heterogeneous_mix:1,2``. The lead's
@@ -36,39 +39,78 @@ def parse_topology(spec: str) -> Topology:
     return PRESETS[name](*values)
 
 
-def format_plan(plan: Plan, topology: Topology, iteration: float | None = None) -> str:
-    """Plain-text table: one row per device (group, host, experts), then rounds."""
-    lines = [f"plan for {topology.name}: {plan.num_devices} devices, {plan.num_experts} experts, "
-             f"{len(plan.groups)} groups (grouping: {plan.meta.get('grouping', '?')})"]
-    lines.append(f"{'group':>5} {'device':>6} {'node':>4} {'#exp':>4}  experts")
+def _experts_text(xs) -> str:
+    return ",".join(map(str, xs)) if len(xs) <= 16 else ",".join(map(str, xs[:16])) + ",..."
+
+
+def plan_tables(plan: Plan, topology: Topology, iteration: float | None = None) -> list:
+    """rich renderables: a header line, the device table (device, group, node,
+    #exp, experts), the group table (size, rounds, dispatch us), partitions and the
+    simulated iteration time. Tables use ``box.SIMPLE`` (no vertical rules), so each
+    row stays one whitespace-separated line in logs."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    out: list = [Text(f"plan for {topology.name}: {plan.num_devices} devices, {plan.num_experts} experts, "
+                      f"{len(plan.groups)} groups (grouping: {plan.meta.get('grouping', '?')})", style="bold")]
+    dev = Table(title="devices", box=box.SIMPLE, title_justify="left")
+    for col in ("device", "group", "node", "#exp"):
+        dev.add_column(col, justify="right")
+    dev.add_column("experts", overflow="fold")
     for g, group in enumerate(plan.groups):
         for d, xs in zip(group, plan.replicas[g]):
             node = int(topology.node[d]) if topology.node is not None else 0
-            shown = ",".join(map(str, xs)) if len(xs) <= 16 else ",".join(map(str, xs[:16])) + ",..."
-            lines.append(f"{g:>5} {d:>6} {node:>4} {len(xs):>4}  {shown}")
-    lines.append("")
-    lines.append(f"{'group':>5} {'size':>4} {'rounds':>6} {'dispatch_us':>11}")
+            dev.add_row(str(d), str(g), str(node), str(len(xs)), _experts_text(xs))
+        if g + 1 < len(plan.groups):
+            dev.add_section()
+    grp = Table(title="all-to-all per group (Aurora Thm 4.2)", box=box.SIMPLE, title_justify="left")
+    for col in ("group", "size", "rounds", "dispatch_us", "lower_bound_us"):
+        grp.add_column(col, justify="right")
     for g, group in enumerate(plan.groups):
         s = plan.schedules[g]
-        lines.append(f"{g:>5} {len(group):>4} {s.num_rounds:>6} {s.makespan * 1e6:>11.1f}")
-    lines.append("")
-    lines.append("partitions (Lancet 5.1): " + ", ".join(
-        f"{n}={k}" for n, k in zip(plan.op_names, plan.partition_counts)))
+        grp.add_row(str(g), str(len(group)), str(s.num_rounds), f"{s.makespan * 1e6:.1f}",
+                    f"{s.lower_bound * 1e6:.1f}")
+    out += [dev, grp, Text("partitions (Lancet 5.1): " + ", ".join(
+        f"{n}={k}" for n, k in zip(plan.op_names, plan.partition_counts)))]
     if iteration is not None:
-        lines.append(f"simulated iteration time: {iteration * 1e3:.3f} ms")
-    return "\n".join(lines)
+        out.append(Text(f"simulated iteration time: {iteration * 1e3:.3f} ms", style="bold"))
+    return out
+
+
+def format_plan(plan: Plan, topology: Topology, iteration: float | None = None, *, width: int = 120) -> str:
+    """:func:`plan_tables` rendered to plain text (no colour) at ``width`` columns."""
+    import io
+
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=width, color_system=None, force_terminal=False)
+    for r in plan_tables(plan, topology, iteration):
+        console.print(r)
+    return console.file.getvalue()
 
 
 def run(args: argparse.Namespace) -> int:
-    """Build the plan, print the table, write JSON if asked. Returns 0."""
+    """Build the plan, print the tables, write JSON / PNG if asked. Returns 0."""
+    from rich.console import Console
+
     topology = parse_topology(args.topology)
     model = ModelSpec(num_experts=args.experts, top_k=args.top_k, d_model=args.d_model, d_ff=args.d_ff,
                       tokens_per_device=args.tokens)
+    if args.png and not args.png.lower().endswith(".png"):
+        raise ValueError(f"--png {args.png!r} must end in .png, e.g. --png plan.png.")
     plan = make_plan(topology, model)
-    print(format_plan(plan, topology, simulate(plan, topology, model).iteration))
+    console = Console()
+    for r in plan_tables(plan, topology, simulate(plan, topology, model).iteration):
+        console.print(r)
     if args.json:
         Path(args.json).write_text(plan.to_json(indent=1))
-        print(f"wrote {args.json}")
+        console.print(f"wrote {args.json}")
+    if args.png:
+        from aristax.planner.plot import plot_plan
+
+        plot_plan(plan, topology, model, args.png)
+        console.print(f"wrote {args.png}")
     return 0
 
 
@@ -83,5 +125,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--d-ff", type=int, default=4096, help="expert hidden dim F (default 4096)")
     p.add_argument("--tokens", type=int, default=4096, help="tokens per device per micro-batch T (default 4096)")
     p.add_argument("--json", metavar="OUT.json", default=None, help="also write the plan as JSON")
+    p.add_argument("--png", metavar="OUT.png", default=None,
+                   help="also draw topology heatmap, experts per device and the slowest group's "
+                        "all-to-all schedule (needs pip install 'aristax[plot]')")
     p.set_defaults(func=run)
     return p

@@ -1,6 +1,7 @@
 """`aristax plan` in-process: register on a fresh parser, parse, run, read stdout."""
 
 import argparse
+import sys
 
 import pytest
 
@@ -23,13 +24,27 @@ def test_plan_preset_prints_table_and_writes_json(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "plan for perlmutter-2x4: 8 devices, 16 experts" in text
     assert "rounds" in text and "partitions (Lancet 5.1)" in text
+    assert "simulated iteration time:" in text and "─" in text  # a rich table rule
     plan = Plan.from_json(out.read_text())
-    # one table row per device, listing its experts
-    rows = [l.split() for l in text.splitlines() if l.strip() and l.split()[0].isdigit() and len(l.split()) == 5]
-    assert sorted(int(r[1]) for r in rows) == list(range(8))
+    # device table: one row per device "device group node #exp experts"
+    devices_part, groups_part = text.split("all-to-all per group")
+    rows = [l.split() for l in devices_part.splitlines() if l.strip() and l.split()[0].isdigit()]
+    assert all(len(r) == 5 for r in rows)
+    assert sorted(int(r[0]) for r in rows) == list(range(8))
     for r in rows:
-        g = next(k for k, grp in enumerate(plan.groups) if int(r[1]) in grp)
-        assert tuple(int(x) for x in r[4].split(",")) == plan.experts_on(g)[int(r[1])]
+        d = int(r[0])
+        g = next(k for k, grp in enumerate(plan.groups) if d in grp)
+        assert int(r[1]) == g and int(r[2]) == d // 4  # perlmutter: 4 GPUs per node
+        assert tuple(int(x) for x in r[4].split(",")) == plan.experts_on(g)[d]
+        assert int(r[3]) == len(plan.experts_on(g)[d])
+    # group table: "group size rounds dispatch_us lower_bound_us", also 5 numeric fields
+    grows = [l.split() for l in groups_part.split("partitions")[0].splitlines()
+             if l.strip() and l.split()[0].isdigit()]
+    assert [int(r[0]) for r in grows] == list(range(len(plan.groups)))
+    for r in grows:
+        s = plan.schedules[int(r[0])]
+        assert int(r[1]) == len(plan.groups[int(r[0])]) and int(r[2]) == s.num_rounds
+        assert float(r[3]) == pytest.approx(s.makespan * 1e6, abs=0.06)
 
 
 def test_plan_topology_file(tmp_path, capsys):
@@ -38,6 +53,26 @@ def test_plan_topology_file(tmp_path, capsys):
     args = parse(["plan", str(path), "--experts", "8", "--d-model", "64", "--d-ff", "128"])
     assert args.func(args) == 0
     assert "4 devices, 8 experts" in capsys.readouterr().out
+
+
+def test_plan_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "plan.png"
+    args = parse(["plan", "perlmutter:2", "--experts", "16", "--png", str(out)])
+    assert args.func(args) == 0
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    assert f"wrote {out}" in capsys.readouterr().out.replace("\n", "")
+
+
+def test_png_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    args = parse(["plan", "perlmutter:1", "--experts", "8", "--png", str(tmp_path / "p.png")])
+    with pytest.raises(ImportError, match=r"pip install 'aristax\[plot\]'"):
+        args.func(args)
+    args = parse(["plan", "perlmutter:1", "--experts", "8", "--png", str(tmp_path / "p.jpg")])
+    with pytest.raises(ValueError, match="--png"):
+        args.func(args)
 
 
 def test_bad_topology_spec():
