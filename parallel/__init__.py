@@ -7,11 +7,16 @@ active (``with jax.set_mesh(mesh):``) or given explicitly (``MoE(..., mesh=mesh)
 from aristax.parallel.collectives import (
     EXCHANGE_BACKENDS,
     default_backend,
+    complete_rounds,
     exchange,
     ragged_all_to_all_emulated,
     ragged_args,
+    rounds_from_schedule,
+    scheduled_all_to_all,
 )
+from aristax.parallel.distributed import initialize_distributed, resolve_distributed
 from aristax.parallel.expert_parallel import expert_parallel_moe
+from aristax.parallel.measure import fit_alpha_beta, measure_topology
 from aristax.parallel.mesh import (
     MESH_AXES,
     expert_permutation,
@@ -19,17 +24,28 @@ from aristax.parallel.mesh import (
     layout_experts,
     mesh_from_plan,
 )
+from aristax.parallel.overlap import chunk_bounds, chunked_moe, num_chunks_from_plan
 
 __all__ = [
     "EXCHANGE_BACKENDS",
     "MESH_AXES",
+    "chunk_bounds",
+    "chunked_moe",
+    "complete_rounds",
     "default_backend",
     "exchange",
     "expert_parallel_moe",
     "expert_permutation",
+    "fit_alpha_beta",
+    "initialize_distributed",
     "inverse_permutation",
     "layout_experts",
+    "measure_topology",
     "mesh_from_plan",
+    "num_chunks_from_plan",
     "ragged_all_to_all_emulated",
     "ragged_args",
+    "resolve_distributed",
+    "rounds_from_schedule",
+    "scheduled_all_to_all",
 ]

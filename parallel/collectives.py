@@ -19,14 +19,22 @@ Backends (``EXCHANGE_BACKENDS``):
   * "ragged_emulated": the "ragged" offsets with ``ragged_all_to_all_emulated`` (the
     documented semantics built from a dense ``all_to_all``); runs everywhere, and
     exists to test the ragged offsets end to end on CPU.
+  * "scheduled": the "padded" buffers moved by a sequence of ``jax.lax.ppermute``
+    rounds, each a partial permutation (src -> dst pairs with distinct sources and
+    distinct destinations): the planner's Aurora rounds (``rounds_from_schedule``),
+    completed with shift rounds for any pair the plan did not list (the plan's
+    traffic is an estimate; real traffic may use every pair). The return trip runs
+    the rounds transposed. Without a schedule: G-1 shift rounds (i -> i+s).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-EXCHANGE_BACKENDS = ("padded", "ragged", "ragged_emulated")
+EXCHANGE_BACKENDS = ("padded", "ragged", "ragged_emulated", "scheduled")
+Rounds = tuple[tuple[tuple[int, int], ...], ...]
 _PLATFORM_BACKEND = {"cpu": "padded", "gpu": "ragged", "cuda": "ragged", "rocm": "ragged",
                      "tpu": "ragged"}
 
@@ -103,7 +111,74 @@ def _expand(mask: jax.Array, like: jax.Array) -> jax.Array:
     return mask.reshape(mask.shape + (1,) * (like.ndim - mask.ndim))
 
 
-def _padded(x, input_offsets, send_sizes, *, axis_name, buffer_size, reverse, num_rows):
+def rounds_from_schedule(schedule) -> Rounds:
+    """Rounds of (src, dst) pairs from an ``aristax.planner.aurora.Schedule`` (local
+    indices, ``plan.schedules[g]``); self-sends and empty rounds are left out."""
+    rounds = tuple(tuple((int(i), int(j)) for i, j, _ in r.sends if i != j)
+                   for r in schedule.rounds)
+    return tuple(r for r in rounds if r)
+
+
+def complete_rounds(rounds: Rounds | None, num_devices: int) -> Rounds:
+    """Validate partial permutations and add shift rounds for the missing pairs.
+
+    Args:
+      rounds: tuple of rounds, each a tuple of (src, dst) with src != dst in
+        [0, G), no source or destination twice in a round; None = no rounds.
+    Returns:
+      rounds covering every ordered pair (i, j), i != j, at least once.
+    """
+    G = num_devices
+    rounds = tuple(tuple((int(i), int(j)) for i, j in r) for r in (rounds or ()))
+    for n, r in enumerate(rounds):
+        srcs, dsts = [i for i, _ in r], [j for _, j in r]
+        if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
+            raise ValueError(f"schedule round {n} {r} is not a partial permutation (a source "
+                             "or destination appears twice); split it into several rounds")
+        if any(not (0 <= i < G and 0 <= j < G) or i == j for i, j in r):
+            raise ValueError(f"schedule round {n} {r} names a self-send or a device outside "
+                             f"range({G}); use local indices on the exchange axis")
+    covered = {p for r in rounds for p in r}
+    extra = []
+    for shift in range(1, G):
+        missing = tuple((i, (i + shift) % G) for i in range(G) if (i, (i + shift) % G) not in covered)
+        if missing:
+            extra.append(missing)
+    return rounds + tuple(extra)
+
+
+def scheduled_all_to_all(buf: jax.Array, axis_name: str, rounds: Rounds) -> jax.Array:
+    """``jax.lax.all_to_all(buf, axis_name, 0, 0)`` as ``ppermute`` rounds.
+
+    Args:
+      buf: [G, B, ...], block j for device j. rounds: ``complete_rounds`` output.
+    Returns:
+      [G, B, ...], block i from device i (own block copied locally).
+    """
+    G = buf.shape[0]
+    me = jax.lax.axis_index(axis_name).astype(jnp.int32)
+    out = jnp.zeros_like(buf)
+    out = jax.lax.dynamic_update_index_in_dim(out, jnp.take(buf, me, axis=0), me, 0)
+    for r in rounds:
+        dst, src = np.full(G, -1, np.int32), np.full(G, -1, np.int32)
+        for i, j in r:
+            dst[i], src[j] = j, i
+        send = jnp.take(buf, jnp.maximum(jnp.asarray(dst)[me], 0), axis=0)
+        recv = jax.lax.ppermute(send, axis_name, perm=list(r))
+        s = jnp.asarray(src)[me]
+        updated = jax.lax.dynamic_update_index_in_dim(out, recv, jnp.maximum(s, 0), 0)
+        out = jnp.where(s >= 0, updated, out)
+    return out
+
+
+def _block_all_to_all(buf, axis_name, rounds):
+    if rounds is None:
+        return jax.lax.all_to_all(buf, axis_name, 0, 0)
+    return scheduled_all_to_all(buf, axis_name, rounds)
+
+
+def _padded(x, input_offsets, send_sizes, *, axis_name, buffer_size, reverse, num_rows,
+            rounds=None):
     G, B = send_sizes.shape[0], buffer_size
     pos = jnp.arange(B, dtype=jnp.int32)
     idx = input_offsets[:, None] + pos[None, :]  # [G, B] rows of the sender's blocks
@@ -111,9 +186,11 @@ def _padded(x, input_offsets, send_sizes, *, axis_name, buffer_size, reverse, nu
     if not reverse:
         buf = jnp.take(x, jnp.where(valid, idx, 0), axis=0)
         buf = jnp.where(_expand(valid, buf), buf, jnp.zeros((), x.dtype))
-        recv = jax.lax.all_to_all(buf, axis_name, 0, 0)
+        recv = _block_all_to_all(buf, axis_name, rounds)
         return recv.reshape((G * B,) + x.shape[1:])
-    back = jax.lax.all_to_all(x.reshape((G, B) + x.shape[1:]), axis_name, 0, 0)
+    if rounds is not None:  # the return trip runs the rounds transposed
+        rounds = tuple(tuple((j, i) for i, j in r) for r in rounds)
+    back = _block_all_to_all(x.reshape((G, B) + x.shape[1:]), axis_name, rounds)
     out = jnp.zeros((num_rows,) + x.shape[1:], x.dtype)
     dest = jnp.where(valid, idx, num_rows).reshape(-1)
     return out.at[dest].set(back.reshape((G * B,) + x.shape[1:]), mode="drop")
@@ -129,6 +206,7 @@ def exchange(
     backend: str = "padded",
     reverse: bool = False,
     num_rows: int | None = None,
+    schedule: Rounds | None = None,
 ) -> jax.Array:
     """Send row blocks to the devices of ``axis_name`` (or, ``reverse``, bring them back).
 
@@ -144,6 +222,9 @@ def exchange(
       backend: one of ``EXCHANGE_BACKENDS``.
       reverse: the return trip (same ``input_offsets``/``send_sizes``).
       num_rows: N, rows of the reverse result (required when ``reverse``).
+      schedule: "scheduled" backend only: rounds of (src, dst) pairs (e.g.
+        ``rounds_from_schedule(plan.schedules[g])``), completed by ``complete_rounds``;
+        None: shift rounds. Same value for both trips.
     Returns:
       forward: [G*B, ...]; reverse: [N, ...] (see the module docstring).
     """
@@ -152,9 +233,14 @@ def exchange(
         raise ValueError("exchange(reverse=True) needs num_rows=N, the sender's row count")
     input_offsets = input_offsets.astype(jnp.int32)
     send_sizes = send_sizes.astype(jnp.int32)
-    if backend == "padded":
+    if schedule is not None and backend != "scheduled":
+        raise ValueError(f"schedule= is used by backend='scheduled' only, not {backend!r}")
+    if backend in ("padded", "scheduled"):
+        rounds = None if backend == "padded" else complete_rounds(schedule,
+                                                                  send_sizes.shape[0])
         return _padded(x, input_offsets, send_sizes, axis_name=axis_name,
-                       buffer_size=buffer_size, reverse=reverse, num_rows=num_rows)
+                       buffer_size=buffer_size, reverse=reverse, num_rows=num_rows,
+                       rounds=rounds)
     G = send_sizes.shape[0]
     args = ragged_args(input_offsets, send_sizes, axis_name=axis_name,
                        buffer_size=buffer_size, reverse=reverse)

@@ -38,6 +38,7 @@ Semantics, compared with the single-device ``aristax.moe.moe`` on the whole batc
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,6 +52,7 @@ from aristax import routing as routing_lib
 from aristax.config import MoEConfig
 from aristax.experts import dense_mlp, expert_mlp
 from aristax.moe import MoEParams, make_dispatch, router_logits
+from aristax.parallel import overlap
 from aristax.parallel.collectives import check_backend, default_backend, exchange
 from aristax.parallel.mesh import inverse_permutation
 from aristax.sharding import DATA_AXIS, EXPERT_AXIS, PARAM_AXES
@@ -169,29 +171,70 @@ def global_aux(routing, dispatch, num_overflow, config: MoEConfig, axes, num_sha
 
 
 # ------------------------------------------------------------------ the map body
+def _exchange_experts(xc, dispatch, weights, params, config, *, G, B, expert_axis, backend,
+                      schedule=None):
+    """Dispatch rows out, run the local experts, bring them back and combine.
+
+    Args:
+      xc: [Tc, D] tokens (compute dtype); dispatch: their ``Dispatch`` in physical slot
+        order; weights: [Tc, K] combine weights; B: rows per (source, destination).
+    Returns:
+      (y[Tc, D] routed output in the accumulation dtype, num_overflow int32[]).
+    """
+    rows = dispatch_lib.permute(xc, dispatch)  # [M, D] sorted by slot
+    M = rows.shape[0]
+    offsets, sizes, sent_counts, _ = send_layout(dispatch.group_sizes, G, B)
+    recv_counts = jax.lax.all_to_all(sent_counts, expert_axis, 0, 0, tiled=True)
+    trip = dict(axis_name=expert_axis, buffer_size=B, backend=backend, schedule=schedule)
+    recv = exchange(rows, offsets, sizes, **trip)
+    out = local_experts(recv, recv_counts, params, config, B).astype(xc.dtype)
+    back = exchange(out, offsets, sizes, reverse=True, num_rows=M, **trip)
+    sent = rows_sent(offsets, sizes, M)
+    num_overflow = jnp.sum(dispatch.row_valid & ~sent, dtype=jnp.int32)
+    kept = dispatch.kept & jnp.take(sent, dispatch.slot, mode="fill", fill_value=False)
+    return dispatch_lib.combine(back, dispatch.replace(kept=kept), weights), num_overflow
+
+
+def _chunked_exchange(xc, physical, config, chunk_buffer, num_chunks, **trip):
+    """Lancet chunks (``aristax.parallel.overlap``) of one device's tokens: the shard's
+    keep decisions once, then dispatch/exchange/experts/combine per chunk.
+
+    Returns (y[Tl, D], kept-slot ``Dispatch`` counts: num_routed, num_dropped, overflow).
+    """
+    Tl = xc.shape[0]
+    bounds = overlap.chunk_bounds(Tl, num_chunks)
+    kept, num_dropped = overlap.keep_decisions(physical, config, bounds)
+    ys, num_overflow = [], jnp.zeros((), jnp.int32)
+    for a, b in bounds:
+        r = overlap.chunk_routing(physical, kept, a, b)
+        y, over = _exchange_experts(xc[a:b], dispatch_lib.dropless_dispatch(r), r.weights,
+                                    B=chunk_buffer(Tl, b - a), config=config, **trip)
+        ys.append(y)
+        num_overflow = num_overflow + over
+    return jnp.concatenate(ys, axis=0), num_dropped, num_overflow
+
+
 def _local_moe(x, router_in, params, bias, *, config, slot_of, axes, expert_axis, G,
-               num_shards, buffer_size, backend, seq_len):
+               num_shards, buffer_size, backend, seq_len, num_chunks=1, chunk_buffer=None,
+               schedule=None):
     """One device's share: x[Tl, D] -> (y[Tl, D], aux). See the module docstring."""
     routing = routing_lib.route(router_logits(router_in, params.router_de),
                                 config.router_config, bias=bias)
     physical = routing if slot_of is None else routing.replace(
         expert_ids=jnp.asarray(slot_of)[routing.expert_ids])
-    dispatch = make_dispatch(physical, config)
     dtype = jnp.dtype(config.dtype) if config.dtype is not None else x.dtype
     xc = x.astype(dtype)
-    rows = dispatch_lib.permute(xc, dispatch)  # [M, D] sorted by slot
-    M = rows.shape[0]
-    B = buffer_size(x.shape[0])
-    offsets, sizes, sent_counts, _ = send_layout(dispatch.group_sizes, G, B)
-    recv_counts = jax.lax.all_to_all(sent_counts, expert_axis, 0, 0, tiled=True)
-    trip = dict(axis_name=expert_axis, buffer_size=B, backend=backend)
-    recv = exchange(rows, offsets, sizes, **trip)
-    out = local_experts(recv, recv_counts, params, config, B).astype(dtype)
-    back = exchange(out, offsets, sizes, reverse=True, num_rows=M, **trip)
-    sent = rows_sent(offsets, sizes, M)
-    num_overflow = jnp.sum(dispatch.row_valid & ~sent, dtype=jnp.int32)
-    kept = dispatch.kept & jnp.take(sent, dispatch.slot, mode="fill", fill_value=False)
-    y = dispatch_lib.combine(back, dispatch.replace(kept=kept), routing.weights)
+    trip = dict(params=params, G=G, expert_axis=expert_axis, backend=backend,
+                schedule=schedule)
+    if num_chunks == 1:
+        dispatch = make_dispatch(physical, config)
+        y, num_overflow = _exchange_experts(xc, dispatch, routing.weights, config=config,
+                                            B=buffer_size(x.shape[0]), **trip)
+    else:
+        y, num_dropped, num_overflow = _chunked_exchange(xc, physical, config, chunk_buffer,
+                                                         num_chunks, **trip)
+        dispatch = types.SimpleNamespace(  # what global_aux reads
+            num_routed=jnp.sum(physical.mask, dtype=jnp.int32), num_dropped=num_dropped)
     if params.shared_up_df is not None:
         y = y + dense_mlp(xc, params.shared_gate_df, params.shared_up_df,
                           params.shared_down_fd, activation=config.activation)
@@ -283,6 +326,8 @@ def expert_parallel_moe(
     buffer_size: int | None = None,
     expert_axis: str = EXPERT_AXIS,
     token_axes: Sequence[str] | None = None,
+    num_chunks: int = 1,
+    schedule: Sequence[Sequence[tuple[int, int]]] | None = None,
 ) -> tuple[jax.Array, dict[str, Any]]:
     """``aristax.moe.moe`` with experts sharded over ``mesh`` (see the module docstring).
 
@@ -302,6 +347,15 @@ def expert_parallel_moe(
         (never overflows). Ignored in capacity mode (B = El*C).
       expert_axis: the expert-parallel mesh axis. token_axes: mesh axes the tokens
         are split over (default: "data" if present, then ``expert_axis``).
+      num_chunks: k Lancet chunks of each device's Tl tokens (1 <= k <= Tl; e.g.
+        ``overlap.num_chunks_from_plan(plan)``): keep decisions are made once per
+        shard, then each chunk is exchanged and computed on its own so XLA can
+        overlap chunk i's exchange with chunk i+1's compute. Equals ``num_chunks=1``
+        exactly, drops included (``aristax.parallel.overlap``). Per-chunk buffers:
+        min(El*C, Tc*K) in capacity mode, min(buffer_size, Tc*K) dropless (a
+        ``buffer_size`` smaller than Tc*K may overflow differently than unchunked).
+      schedule: ``backend="scheduled"`` only: ppermute rounds of (src, dst) pairs on
+        the expert axis, e.g. ``rounds_from_schedule(plan.schedules[0])``.
     Returns:
       (y[T, D], aux) as ``moe``; aux also has num_overflow (int32[]). Under Explicit
       mesh axes y and router_logits keep x's sharding; under Auto axes they come
@@ -315,12 +369,18 @@ def expert_parallel_moe(
     G, shards = _validate(x, config, mesh, expert_axis, token_axes, seq_len, expert_perm,
                           buffer_size)
     backend = check_backend(backend or default_backend())
+    if schedule is not None and backend != "scheduled":
+        raise ValueError(f"schedule= is used by backend='scheduled' only, not {backend!r}; "
+                         "pass backend='scheduled' or drop schedule")
     E_local = config.num_experts // G
 
     def buffers(tl):
         if config.capacity(tl) is not None:
             return E_local * config.capacity(tl)
         return buffer_size or tl * config.top_k
+
+    def chunk_buffers(tl, tc):
+        return min(buffers(tl), tc * config.top_k)
 
     x_spec = _explicit_spec(x, mesh)
     router_in = x
@@ -334,7 +394,10 @@ def expert_parallel_moe(
     bias = _place(bias, mesh, P())
     body = functools.partial(
         _local_moe, config=config, slot_of=slot_of, axes=token_axes, expert_axis=expert_axis,
-        G=G, num_shards=shards, buffer_size=buffers, backend=backend, seq_len=seq_len)
+        G=G, num_shards=shards, buffer_size=buffers, backend=backend, seq_len=seq_len,
+        num_chunks=num_chunks, chunk_buffer=chunk_buffers,
+        schedule=None if schedule is None else tuple(tuple(map(tuple, r)) for r in schedule))
+    overlap.chunk_bounds(x.shape[0] // shards, num_chunks)  # validates num_chunks early
     aux_specs = {k: P() for k in _SCALAR_AUX} | {"expert_load": P(), "router_logits": tok}
     fn = jax.shard_map(
         lambda x, r, p, b: body(x, r, p, b), mesh=mesh,
