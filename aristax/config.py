@@ -101,6 +101,11 @@ class MoEConfig:
         reference).
       debug_checks: raise when router logits are not finite (otherwise such tokens are
         routed nowhere and counted in ``aux["nonfinite_tokens"]``).
+      num_chunks: Lancet overlap: split the tokens into this many chunks so one chunk's
+        all-to-all can overlap another's experts; capacity is carried across chunks, so
+        the result equals ``num_chunks=1`` (``aristax.parallel.overlap``).
+      exchange_backend: expert-parallel token exchange ("padded", "ragged", ...; see
+        ``aristax.parallel.EXCHANGE_BACKENDS``); None picks it from the platform.
     """
 
     num_experts: int
@@ -126,6 +131,8 @@ class MoEConfig:
     param_dtype: Any = "float32"
     implementation: str | Sequence[str] | None = None
     debug_checks: bool = False
+    num_chunks: int = 1
+    exchange_backend: str | None = None
 
     def __post_init__(self):
         for name in ("num_experts", "d_model", "d_ff"):
@@ -171,6 +178,8 @@ class MoEConfig:
             not isinstance(self.shared_d_ff, int) or self.shared_d_ff < 1
         ):
             _fail("shared_d_ff", self.shared_d_ff, "use None (= d_ff) or a positive integer")
+        if not isinstance(self.num_chunks, int) or self.num_chunks < 1:
+            _fail("num_chunks", self.num_chunks, "must be a positive integer (1 = no chunking)")
         _check_dtype("dtype", self.dtype)
         _check_dtype("param_dtype", self.param_dtype)
 

@@ -137,13 +137,20 @@ class MoE(nnx.Module):
         return y.reshape(x.shape[:-1] + y.shape[-1:]), aux
 
     def _forward(self):
-        """``moe``, or the expert-parallel forward when an expert mesh is active."""
+        """``moe``; ``chunked_moe`` when ``num_chunks > 1``; the expert-parallel forward
+        when an expert mesh is active."""
+        cfg = self.config
         mesh = self.mesh if self.mesh is not None else jax.sharding.get_abstract_mesh()
-        if mesh is None or mesh.empty or EXPERT_AXIS not in mesh.axis_names:
-            return moe
-        from aristax.parallel import expert_parallel_moe  # parallel imports this package
+        if mesh is not None and not mesh.empty and EXPERT_AXIS in mesh.axis_names:
+            from aristax.parallel import expert_parallel_moe  # parallel imports this package
 
-        return functools.partial(expert_parallel_moe, mesh=mesh)
+            return functools.partial(expert_parallel_moe, mesh=mesh, num_chunks=cfg.num_chunks,
+                                     backend=cfg.exchange_backend)
+        if cfg.num_chunks > 1:
+            from aristax.parallel import chunked_moe
+
+            return functools.partial(chunked_moe, num_chunks=cfg.num_chunks)
+        return moe
 
     def update_balance_bias(self, expert_load: jax.Array) -> None:
         """Aux-loss-free balancing step from the last step's ``aux["expert_load"]``."""

@@ -202,6 +202,7 @@ def test_nonfinite_logits_are_reported_and_isolated():
     ("capacity_factor", dict(capacity_factor=-1.0)),
     ("drop_policy", dict(drop_policy="random")),
     ("dtype", dict(dtype="float17")),
+    ("num_chunks", dict(num_chunks=0)),
 ])
 def test_bad_config_names_the_field(field, kwargs):
     base = dict(num_experts=4, top_k=2, d_model=8, d_ff=8)
