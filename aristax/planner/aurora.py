@@ -15,8 +15,9 @@ and Communication Scheduling" (the Aurora paper in ../shared/seeds):
 - :func:`colocate` - section 6.2 (Case I Thm 6.2 closed form, Case II bottleneck
   matching by binary search + Hopcroft-Karp) and section 7.2 (heterogeneous GPUs:
   two decoupled bottleneck matchings).
-- :func:`inference_time_exclusive` (eq. 3) and :func:`inference_time_colocated`
-  (Table 2, eq. 4): the paper's timelines.
+- :func:`inference_time` - one layer's time on the paper's timelines from traffic
+  matrices and a placement; dispatches to :func:`inference_time_exclusive` (eq. 1-3)
+  and :func:`inference_time_colocated` (Table 2, eq. 4).
 
 Traffic matrices are [n, n] with d_ij = bytes (or tokens) GPU i sends to GPU j; the
 diagonal is local and ignored (footnote 1 of section 4.2).
@@ -457,3 +458,72 @@ def inference_time_colocated(comm_a: float, comm_ab: float, comm_ca: float, comm
     e_cb = max(e_fb, e_ca) + comm_cb
     e_ab = max(e_aa, e_cb) + ab
     return float(e_ab + ga)
+
+
+def _compute_max(x, name: str) -> float:
+    v = np.asarray(x, dtype=np.float64)
+    if v.ndim > 1 or not np.all(np.isfinite(v)) or np.any(v < 0):
+        raise ValueError(f"{name} must be a non-negative scalar or one time per GPU.")
+    return float(v.max()) if v.size else 0.0
+
+
+def _permutation(p, n: int, name: str) -> np.ndarray:
+    p = np.asarray(p, dtype=np.int64).ravel()
+    if p.shape != (n,) or sorted(p.tolist()) != list(range(n)):
+        raise ValueError(f"{name} must be a permutation of range({n}), got {p.tolist()}.")
+    return p
+
+
+def inference_time(traffic, gate=0.0, ffn=0.0, agg=0.0, bandwidth=None, *,
+                   gpu_of_expert=None, colocated_with=None, colocation=None,
+                   gate_b=0.0, ffn_b=0.0, agg_b=0.0) -> float:
+    """One MoE layer's inference time on Aurora's timelines (eq. 1-3, Table 2 / eq. 4).
+
+    traffic[n, n]: model a's first all-to-all D_N in expert coordinates (row and column
+    i belong to the GPU that hosts expert i, as in :func:`colocate`); the second
+    all-to-all is its transpose (section 2.2). Both run on the optimal order, i.e. take
+    :func:`lower_bound` (Thm 4.2 / 5.2). gate, ffn, agg: computation times of model a,
+    a scalar or one per GPU for the placement being timed; only their maxima enter.
+    bandwidth: None (= 1), a scalar, or [n] per GPU (GPU index).
+
+    - Exclusive (``colocated_with`` None): eq. 3, |G| + |N| + max F + |C| + |A|, via
+      :func:`inference_time_exclusive`. ``gpu_of_expert[n]`` (e.g. from
+      :func:`assign_experts`) puts expert i on GPU gpu_of_expert[i], so its traffic
+      runs at bandwidth[gpu_of_expert[i]]; default identity.
+    - Colocated (``colocated_with`` = model b's D_N [n, n]): Table 2, via
+      :func:`inference_time_colocated`. ``colocation`` is a :class:`Colocation` (from
+      :func:`colocate`: expert b_partner[i] of b joins expert i of a on GPU gpu[i]) or a
+      bare b_partner sequence (GPU i); default identity. Model b's traffic is moved with
+      its experts (rows and columns permuted by b_partner), the terms are
+      |N^a|, |N^a + N^b| (aggregated matrix), |C^a|, |C^b| at the pairs' bandwidths.
+      gate_b, ffn_b, agg_b: model b's computation times.
+    """
+    d = _traffic(traffic)
+    n = d.shape[0]
+    b = _bandwidth(bandwidth, n)
+    if colocated_with is None:
+        if colocation is not None or any(np.any(np.asarray(x) != 0) for x in (gate_b, ffn_b, agg_b)):
+            raise ValueError("colocation and gate_b/ffn_b/agg_b need colocated_with (model b's traffic).")
+        if gpu_of_expert is not None:
+            b = b[_permutation(gpu_of_expert, n, "gpu_of_expert")]
+        return inference_time_exclusive(d, _compute_max(gate, "gate"), _compute_max(ffn, "ffn"),
+                                         _compute_max(agg, "agg"), b)
+    if gpu_of_expert is not None:
+        raise ValueError("with colocated_with, give the GPU of each pair as colocation.gpu, not gpu_of_expert.")
+    db = _traffic(colocated_with, "colocated_with")
+    if db.shape != d.shape:
+        raise ValueError(f"colocated_with must have the shape of traffic {d.shape}, got {db.shape}.")
+    if colocation is None:
+        partner, gpu = np.arange(n), np.arange(n)
+    elif isinstance(colocation, Colocation):
+        partner = _permutation(colocation.b_partner, n, "colocation.b_partner")
+        gpu = _permutation(colocation.gpu, n, "colocation.gpu")
+    else:
+        partner, gpu = _permutation(colocation, n, "colocation"), np.arange(n)
+    bs = b[gpu]  # bandwidth of the GPU hosting pair i
+    db = db[np.ix_(partner, partner)]  # model b's traffic in pair coordinates
+    return inference_time_colocated(
+        lower_bound(d, bs), lower_bound(d + db, bs), lower_bound(d.T, bs), lower_bound(db.T, bs),
+        gate=(_compute_max(gate, "gate"), _compute_max(gate_b, "gate_b")),
+        ffn=(_compute_max(ffn, "ffn"), _compute_max(ffn_b, "ffn_b")),
+        agg=(_compute_max(agg, "agg"), _compute_max(agg_b, "agg_b")))

@@ -199,3 +199,44 @@ def test_inference_time_colocated_table2():
     t = aurora.inference_time_colocated(2.0, 3.0, 2.0, 1.0, gate=(1, 1), ffn=(4, 1), agg=(1, 1))
     # E_Fa = max(1,2)+4 = 6; E_Nb = 3; E_Fb = 7; E_Ca = 8; E_Aa = 9; E_Cb = 9; E_Ab = 10; + G^a
     assert t == pytest.approx(11)
+
+
+def test_inference_time_front_exclusive_by_hand():
+    d = np.array([[0, 4, 0], [1, 0, 1], [0, 2, 0]], float)
+    # homogeneous: eq. 3 = |G| + max(row, col sums) + max F + the same for D^T + |A|
+    t = aurora.inference_time(d, gate=1.0, ffn=[2.0, 3.0, 1.0], agg=0.5)
+    assert t == pytest.approx(1 + 6 + 3 + 6 + 0.5)
+    # heterogeneous (Thm 5.2): expert i on GPU gpu_of_expert[i] runs at that GPU's B.
+    # gpu_of_expert = [2, 0, 1], B = [2, 1, 4] -> expert bandwidths [4, 2, 1];
+    # sends 4/4, 2/2, 2/1; receives 1/4, 6/2, 1/1 -> |N| = |C| = 3
+    t = aurora.inference_time(d, gate=1.0, ffn=[2.0, 3.0, 1.0], agg=0.5, bandwidth=[2, 1, 4],
+                              gpu_of_expert=[2, 0, 1])
+    assert t == pytest.approx(1 + 3 + 3 + 3 + 0.5)
+    with pytest.raises(ValueError, match="permutation"):
+        aurora.inference_time(d, gpu_of_expert=[0, 0, 1])
+    with pytest.raises(ValueError, match="colocated_with"):
+        aurora.inference_time(d, colocation=[0, 1, 2])
+
+
+def test_inference_time_front_colocated_by_hand():
+    da = np.array([[0, 4], [1, 0]], float)
+    db = np.array([[0, 1], [3, 0]], float)
+    kw = dict(gate=1.0, ffn=2.0, agg=1.0, gate_b=1.0, ffn_b=1.0, agg_b=1.0)
+    # identity: D^a + D^b = [[0, 5], [4, 0]] -> |N^a+N^b| = 5; |N^a| = |C^a| = 4; |C^b| = 3.
+    # Table 2: E_Fa = max(1, 4) + 2 = 6; E_Nb = max(1, 5) = 5; E_Fb = 6 + 1 = 7;
+    # E_Ca = 6 + 4 = 10; E_Aa = 10 + 1 = 11; E_Cb = 10 + 3 = 13; E_Ab = 13 + 1 = 14; + |G^a|
+    assert aurora.inference_time(da, colocated_with=db, **kw) == pytest.approx(15)
+    # swapped partners: D^b moves with its experts -> [[0, 3], [1, 0]], aggregate 7:
+    # E_Fa = 6; E_Nb = 7; E_Fb = 8; E_Ca = 11; E_Aa = 12; E_Cb = 14; E_Ab = 15; + 1
+    assert aurora.inference_time(da, colocated_with=db, colocation=[1, 0], **kw) == pytest.approx(16)
+    # colocate() minimises the aggregate and picks the identity here
+    c = aurora.colocate(da, db)
+    assert c.b_partner == (0, 1)
+    assert aurora.inference_time(da, colocated_with=db, colocation=c, **kw) == pytest.approx(15)
+    # heterogeneous: pairs on GPUs (1, 0) with B = [4, 2] -> pair bandwidths [2, 4];
+    # aggregate sends 5/2, 4/4, receives 4/2, 5/4 -> 2.5; |N^a| = 4/2 = 2; |C^b| = 3/2;
+    # no computation: E_Ca = max(2, 2.5) + 2 = 4.5, E_Cb = 4.5 + 1.5 = 6
+    hetero = aurora.Colocation((0, 1), (1, 0), 0.0, "hetero")
+    assert aurora.inference_time(da, bandwidth=[4, 2], colocated_with=db, colocation=hetero) == pytest.approx(6)
+    with pytest.raises(ValueError, match="shape"):
+        aurora.inference_time(da, colocated_with=np.zeros((3, 3)))
