@@ -25,6 +25,16 @@ Backends (``EXCHANGE_BACKENDS``):
     completed with shift rounds for any pair the plan did not list (the plan's
     traffic is an estimate; real traffic may use every pair). The return trip runs
     the rounds transposed. Without a schedule: G-1 shift rounds (i -> i+s).
+  * "hierarchical": the "padded" buffers moved in two stages (Tutel's 2DH
+    all-to-all, Hwang et al., MLSys 2023): ``axis_name`` is a pair of mesh
+    axes (outer, inner), e.g. ("node", "local"), and the G = Gn*Gl devices are
+    numbered node-major (device (n, l) is n*Gl + l, as ``jax.lax.all_to_all`` over
+    the pair numbers them). [G, B, ...] is viewed as [Gn, Gl, B, ...]; an all_to_all
+    over the inner (intra-node) axis first gathers on device (n, l) every row of
+    node n bound for local rank l of any node, then one all_to_all over the outer
+    (inter-node) axis delivers them: Gn-1 inter-node messages of Gl*B rows per
+    device instead of G-Gl messages of B rows. The return trip runs the stages in
+    reverse order (outer, then inner). Same result as "padded" over the pair.
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-EXCHANGE_BACKENDS = ("padded", "ragged", "ragged_emulated", "scheduled")
+EXCHANGE_BACKENDS = ("padded", "ragged", "ragged_emulated", "scheduled", "hierarchical")
 Rounds = tuple[tuple[tuple[int, int], ...], ...]
 _PLATFORM_BACKEND = {"cpu": "padded", "gpu": "ragged", "cuda": "ragged", "rocm": "ragged",
                      "tpu": "ragged"}
@@ -171,14 +181,51 @@ def scheduled_all_to_all(buf: jax.Array, axis_name: str, rounds: Rounds) -> jax.
     return out
 
 
-def _block_all_to_all(buf, axis_name, rounds):
+def hierarchical_axes(axis_name) -> tuple[str, str]:
+    """(outer, inner) mesh axes of the "hierarchical" backend, validated."""
+    if (not isinstance(axis_name, (tuple, list)) or len(axis_name) != 2
+            or not all(isinstance(a, str) for a in axis_name) or axis_name[0] == axis_name[1]):
+        raise ValueError(
+            f"backend='hierarchical' needs axis_name=(outer, inner), two distinct mesh axes "
+            f"such as ('node', 'local'), not {axis_name!r}; pass expert_axis=('node', 'local') "
+            "on a mesh with both axes")
+    return str(axis_name[0]), str(axis_name[1])
+
+
+def hierarchical_all_to_all(buf: jax.Array, axis_name, *, reverse: bool = False) -> jax.Array:
+    """``jax.lax.all_to_all(buf, (outer, inner), 0, 0)`` in two stages (Tutel 2DH).
+
+    Args:
+      buf: [G, B, ...] with G = Gn*Gl; block j for device j = n*Gl + l (node-major).
+      axis_name: (outer, inner) mesh axes of sizes Gn, Gl.
+      reverse: run the outer stage first (the return trip); the result is the same.
+    Returns:
+      [G, B, ...], block i from device i.
+    """
+    outer, inner = hierarchical_axes(axis_name)
+    Gn, Gl = jax.lax.axis_size(outer), jax.lax.axis_size(inner)
+    if buf.shape[0] != Gn * Gl:
+        raise ValueError(f"hierarchical_all_to_all: {buf.shape[0]} blocks for {Gn}x{Gl} "
+                         f"devices on axes {(outer, inner)}")
+    b = buf.reshape((Gn, Gl) + buf.shape[1:])  # [n', l'] = block for device (n', l')
+    # inner: device (n, l) gets from (n, l'') its rows bound for (*, l) -> [n', l''];
+    # outer: then from (n'', l) the rows bound for (n, l) -> [n'', l''] = source block.
+    stages = ((inner, 1), (outer, 0))
+    for name, axis in (stages[::-1] if reverse else stages):
+        b = jax.lax.all_to_all(b, name, axis, axis)
+    return b.reshape(buf.shape)
+
+
+def _block_all_to_all(buf, axis_name, rounds, hierarchical=False, reverse=False):
+    if hierarchical:
+        return hierarchical_all_to_all(buf, axis_name, reverse=reverse)
     if rounds is None:
         return jax.lax.all_to_all(buf, axis_name, 0, 0)
     return scheduled_all_to_all(buf, axis_name, rounds)
 
 
 def _padded(x, input_offsets, send_sizes, *, axis_name, buffer_size, reverse, num_rows,
-            rounds=None):
+            rounds=None, hierarchical=False):
     G, B = send_sizes.shape[0], buffer_size
     pos = jnp.arange(B, dtype=jnp.int32)
     idx = input_offsets[:, None] + pos[None, :]  # [G, B] rows of the sender's blocks
@@ -186,11 +233,12 @@ def _padded(x, input_offsets, send_sizes, *, axis_name, buffer_size, reverse, nu
     if not reverse:
         buf = jnp.take(x, jnp.where(valid, idx, 0), axis=0)
         buf = jnp.where(_expand(valid, buf), buf, jnp.zeros((), x.dtype))
-        recv = _block_all_to_all(buf, axis_name, rounds)
+        recv = _block_all_to_all(buf, axis_name, rounds, hierarchical)
         return recv.reshape((G * B,) + x.shape[1:])
     if rounds is not None:  # the return trip runs the rounds transposed
         rounds = tuple(tuple((j, i) for i, j in r) for r in rounds)
-    back = _block_all_to_all(x.reshape((G, B) + x.shape[1:]), axis_name, rounds)
+    back = _block_all_to_all(x.reshape((G, B) + x.shape[1:]), axis_name, rounds,
+                             hierarchical, reverse=True)
     out = jnp.zeros((num_rows,) + x.shape[1:], x.dtype)
     dest = jnp.where(valid, idx, num_rows).reshape(-1)
     return out.at[dest].set(back.reshape((G * B,) + x.shape[1:]), mode="drop")
@@ -213,6 +261,8 @@ def exchange(
     Call inside ``shard_map``.
 
     Args:
+      axis_name: the exchange axis, or a tuple of mesh axes taken together
+        (node-major); "hierarchical" needs exactly (outer, inner).
       x: forward: [N, ...] the sender's rows; reverse: [G*B, ...] as the forward
         returned them.
       input_offsets: int32[G] first row of the block for each destination (sender).
@@ -235,12 +285,14 @@ def exchange(
     send_sizes = send_sizes.astype(jnp.int32)
     if schedule is not None and backend != "scheduled":
         raise ValueError(f"schedule= is used by backend='scheduled' only, not {backend!r}")
-    if backend in ("padded", "scheduled"):
-        rounds = None if backend == "padded" else complete_rounds(schedule,
-                                                                  send_sizes.shape[0])
+    if backend == "hierarchical":
+        hierarchical_axes(axis_name)
+    if backend in ("padded", "scheduled", "hierarchical"):
+        rounds = None if backend != "scheduled" else complete_rounds(schedule,
+                                                                     send_sizes.shape[0])
         return _padded(x, input_offsets, send_sizes, axis_name=axis_name,
                        buffer_size=buffer_size, reverse=reverse, num_rows=num_rows,
-                       rounds=rounds)
+                       rounds=rounds, hierarchical=backend == "hierarchical")
     G = send_sizes.shape[0]
     args = ragged_args(input_offsets, send_sizes, axis_name=axis_name,
                        buffer_size=buffer_size, reverse=reverse)

@@ -13,6 +13,11 @@ Per device, inside ``jax.shard_map`` (GShard / DeepSpeed-MoE expert parallelism)
     --regroup by local expert, aristax.experts.expert_mlp--> back in source order
     --exchange back--> rows[M, D] --aristax.dispatch.combine--> y[Tl, D]
 
+The expert axis may be a pair of mesh axes, e.g. ("node", "local") on a
+("data", "node", "local") mesh: experts are sharded over both (node-major), and the
+"hierarchical" exchange (Tutel 2DH, ``aristax.parallel.collectives``) moves rows over
+"local" then "node"; every result equals the flat ("data", "expert") mesh's.
+
 Semantics, compared with the single-device ``aristax.moe.moe`` on the whole batch:
   * Dropless (``capacity_factor=None``): identical outputs, gradients and aux. The
     exchange buffer defaults to B = Tl*K, the worst case (every assignment of a
@@ -195,15 +200,17 @@ def _exchange_experts(xc, dispatch, weights, params, config, *, G, B, expert_axi
     return dispatch_lib.combine(back, dispatch.replace(kept=kept), weights), num_overflow
 
 
-def _chunked_exchange(xc, physical, config, chunk_buffer, num_chunks, **trip):
+def _chunked_exchange(xc, routing, physical, config, chunk_buffer, num_chunks, **trip):
     """Lancet chunks (``aristax.parallel.overlap``) of one device's tokens: the shard's
-    keep decisions once, then dispatch/exchange/experts/combine per chunk.
+    keep decisions once (on the logical ``routing``: capacity is per logical expert,
+    whatever its replicas), then dispatch/exchange/experts/combine per chunk of the
+    ``physical`` routing (ids = slots).
 
     Returns (y[Tl, D], kept-slot ``Dispatch`` counts: num_routed, num_dropped, overflow).
     """
     Tl = xc.shape[0]
     bounds = overlap.chunk_bounds(Tl, num_chunks)
-    kept, num_dropped = overlap.keep_decisions(physical, config, bounds)
+    kept, num_dropped = overlap.keep_decisions(routing, config, bounds)
     ys, num_overflow = [], jnp.zeros((), jnp.int32)
     for a, b in bounds:
         r = overlap.chunk_routing(physical, kept, a, b)
@@ -214,25 +221,55 @@ def _chunked_exchange(xc, physical, config, chunk_buffer, num_chunks, **trip):
     return jnp.concatenate(ys, axis=0), num_dropped, num_overflow
 
 
+def replica_tables(phys_to_log: Sequence[int], num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """Slots of each logical expert: (slots int32[E, Rmax] padded with the first slot,
+    counts int32[E]) from the physical -> logical map int[P]."""
+    phys_to_log = np.asarray(phys_to_log)
+    where = [np.flatnonzero(phys_to_log == e) for e in range(num_experts)]
+    width = max(len(w) for w in where)
+    slots = np.stack([np.concatenate([w, np.full(width - len(w), w[0])]) for w in where])
+    return slots.astype(np.int32), np.asarray([len(w) for w in where], np.int32)
+
+
+def replicated_routing(routing, tables, axes, num_slots: int):
+    """``routing`` with ids = physical slots, each logical expert's tokens split over its
+    replicas round-robin by *global* token index (token t -> replica t % count[e]).
+
+    The result's ``logits``/``probs`` are zeros [Tl, P] so that ``num_experts`` = P
+    for the dispatch (only their shape is read; XLA drops them).
+    """
+    slots, counts = (jnp.asarray(a) for a in tables)
+    Tl = routing.expert_ids.shape[0]
+    t = jax.lax.axis_index(axes).astype(jnp.int32) * Tl + jnp.arange(Tl, dtype=jnp.int32)
+    ids = routing.expert_ids
+    replica = t[:, None] % counts[ids]  # [Tl, K]
+    placeholder = jnp.zeros((Tl, num_slots), routing.logits.dtype)
+    return routing.replace(expert_ids=slots[ids, replica], logits=placeholder,
+                           probs=placeholder)
+
+
 def _local_moe(x, router_in, params, bias, *, config, slot_of, axes, expert_axis, G,
                num_shards, buffer_size, backend, seq_len, num_chunks=1, chunk_buffer=None,
-               schedule=None):
+               schedule=None, replicas=None):
     """One device's share: x[Tl, D] -> (y[Tl, D], aux). See the module docstring."""
     routing = routing_lib.route(router_logits(router_in, params.router_de),
                                 config.router_config, bias=bias)
-    physical = routing if slot_of is None else routing.replace(
-        expert_ids=jnp.asarray(slot_of)[routing.expert_ids])
+    if replicas is not None:
+        physical = replicated_routing(routing, replicas, axes, params.up_edf.shape[0] * G)
+    else:
+        physical = routing if slot_of is None else routing.replace(
+            expert_ids=jnp.asarray(slot_of)[routing.expert_ids])
     dtype = jnp.dtype(config.dtype) if config.dtype is not None else x.dtype
     xc = x.astype(dtype)
     trip = dict(params=params, G=G, expert_axis=expert_axis, backend=backend,
                 schedule=schedule)
-    if num_chunks == 1:
+    if num_chunks == 1 and replicas is None:
         dispatch = make_dispatch(physical, config)
         y, num_overflow = _exchange_experts(xc, dispatch, routing.weights, config=config,
                                             B=buffer_size(x.shape[0]), **trip)
     else:
-        y, num_dropped, num_overflow = _chunked_exchange(xc, physical, config, chunk_buffer,
-                                                         num_chunks, **trip)
+        y, num_dropped, num_overflow = _chunked_exchange(xc, routing, physical, config,
+                                                         chunk_buffer, num_chunks, **trip)
         dispatch = types.SimpleNamespace(  # what global_aux reads
             num_routed=jnp.sum(physical.mask, dtype=jnp.int32), num_dropped=num_dropped)
     if params.shared_up_df is not None:
@@ -243,7 +280,18 @@ def _local_moe(x, router_in, params, bias, *, config, slot_of, axes, expert_axis
 
 
 # ------------------------------------------------------------------ front door
-def _param_specs(params: MoEParams, expert_axis: str) -> MoEParams:
+def _expert_axes(expert_axis) -> tuple[str, ...]:
+    """``expert_axis`` as a tuple of mesh axis names (a str is one axis)."""
+    if isinstance(expert_axis, str):
+        return (expert_axis,)
+    axes = tuple(expert_axis)
+    if not axes or not all(isinstance(a, str) for a in axes) or len(set(axes)) != len(axes):
+        raise ValueError(f"expert_axis={expert_axis!r} must be a mesh axis name or a tuple of "
+                         "distinct names, e.g. ('node', 'local')")
+    return axes
+
+
+def _param_specs(params: MoEParams, expert_axis) -> MoEParams:
     def spec(name):
         if getattr(params, name) is None:
             return None
@@ -282,7 +330,8 @@ def _resolve_mesh(mesh):
 
 
 def _validate(x, config, mesh, expert_axis, token_axes, seq_len, slot_of, buffer_size):
-    if expert_axis not in mesh.axis_names:
+    expert_axes = _expert_axes(expert_axis)
+    if any(a not in mesh.axis_names for a in expert_axes):
         raise ValueError(f"expert_axis={expert_axis!r} is not a mesh axis {mesh.axis_names}; "
                          "build the mesh with mesh_from_plan or name the axis")
     missing = [a for a in token_axes if a not in mesh.axis_names]
@@ -292,10 +341,18 @@ def _validate(x, config, mesh, expert_axis, token_axes, seq_len, slot_of, buffer
     if config.router == "expert_choice":
         raise ValueError("MoEConfig.router='expert_choice' picks tokens over the whole batch; "
                          "expert_parallel_moe supports token-choice routers only")
-    G = mesh.shape[expert_axis]
+    G = int(np.prod([mesh.shape[a] for a in expert_axes]))
     E = config.num_experts
+    if slot_of is not None:  # expert_perm: the physical -> logical map
+        phys = np.asarray(slot_of).reshape(-1)
+        if (phys.size < E or phys.size % G or sorted(set(phys.tolist())) != list(range(E))):
+            raise ValueError(
+                f"expert_perm must map P physical slots to logical experts, every one of "
+                f"range(num_experts={E}) at least once, with P >= E and P % G == 0 "
+                f"(G={G}); got {phys.size} slots holding experts {sorted(set(phys.tolist()))}")
+        E = phys.size
     if E % G:
-        raise ValueError(f"MoEConfig.num_experts={E} is not a multiple of the '{expert_axis}' "
+        raise ValueError(f"MoEConfig.num_experts={E} is not a multiple of the {expert_axis!r} "
                          f"axis size G={G}; use E % G == 0 or a smaller expert axis")
     shards = int(np.prod([mesh.shape[a] for a in token_axes]))
     T = x.shape[0]
@@ -304,8 +361,6 @@ def _validate(x, config, mesh, expert_axis, token_axes, seq_len, slot_of, buffer
                          f"(mesh axes {token_axes}); pad the batch")
     if seq_len is not None and T % seq_len:
         raise ValueError(f"seq_len={seq_len} does not divide the T={T} tokens")
-    if slot_of is not None and sorted(np.asarray(slot_of).tolist()) != list(range(E)):
-        raise ValueError(f"expert_perm must be a permutation of range(num_experts={E})")
     if buffer_size is not None and (not isinstance(buffer_size, int) or buffer_size < 1):
         raise ValueError(f"buffer_size={buffer_size!r} must be a positive int or None "
                          "(worst case Tl*K)")
@@ -324,7 +379,7 @@ def expert_parallel_moe(
     expert_perm: Sequence[int] | None = None,
     backend: str | None = None,
     buffer_size: int | None = None,
-    expert_axis: str = EXPERT_AXIS,
+    expert_axis: str | tuple[str, ...] = EXPERT_AXIS,
     token_axes: Sequence[str] | None = None,
     num_chunks: int = 1,
     schedule: Sequence[Sequence[tuple[int, int]]] | None = None,
@@ -340,13 +395,25 @@ def expert_parallel_moe(
       mesh: a ``Mesh``/``AbstractMesh`` with ``expert_axis``; None: the mesh set by
         ``jax.set_mesh``.
       bias, jitter_rng, seq_len: as in ``aristax.moe.moe`` (T % seq_len == 0).
-      expert_perm: int[E], logical expert in each physical slot
-        (``expert_permutation(plan)``); None: identity.
-      backend: one of ``EXCHANGE_BACKENDS``; None: "padded" on CPU, "ragged" on GPU/TPU.
+      expert_perm: int[P], logical expert in each physical slot (``Plan.replicas``
+        style: device g holds slots g*P/G .. (g+1)*P/G - 1), e.g.
+        ``expert_permutation(plan)``; None: identity. P = E: a permutation.
+        P > E: replicated experts (every logical expert in >= 1 slot, P % G == 0;
+        params hold [P, ...] weights, ``layout_experts(params, expert_perm)``): each
+        logical expert's tokens are split over its replicas round-robin by global
+        token index; capacity stays per logical expert, so outputs, gradients (summed
+        over replicas) and aux equal the unreplicated layer's.
+      backend: one of ``EXCHANGE_BACKENDS``; None: "padded" on CPU, "ragged" on GPU/TPU;
+        "hierarchical": Tutel 2DH (intra-node then inter-node all_to_all) over an
+        ``expert_axis`` pair.
       buffer_size: B rows per (source, destination) in dropless mode; None: Tl*K
         (never overflows). Ignored in capacity mode (B = El*C).
-      expert_axis: the expert-parallel mesh axis. token_axes: mesh axes the tokens
-        are split over (default: "data" if present, then ``expert_axis``).
+      expert_axis: the expert-parallel mesh axis, or a tuple of axes taken together
+        (node-major: experts are sharded over ``P(("node", "local"))``, device
+        (n, l) holds the El experts of expert-parallel rank n*Gl + l; G is the
+        product of their sizes). ``backend="hierarchical"`` needs a pair
+        (outer = inter-node, inner = intra-node). token_axes: mesh axes the tokens
+        are split over (default: "data" if present, then the expert axes).
       num_chunks: k Lancet chunks of each device's Tl tokens (1 <= k <= Tl; e.g.
         ``overlap.num_chunks_from_plan(plan)``): keep decisions are made once per
         shard, then each chunk is exchanged and computed on its own so XLA can
@@ -362,17 +429,32 @@ def expert_parallel_moe(
       out sharded over ``token_axes``.
     """
     mesh = _resolve_mesh(mesh)
+    expert_axes = _expert_axes(expert_axis)
+    expert_axis = expert_axes[0] if len(expert_axes) == 1 else expert_axes
     if token_axes is None:
-        token_axes = tuple(a for a in (DATA_AXIS, expert_axis) if a in mesh.axis_names)
+        token_axes = tuple(a for a in (DATA_AXIS,) + expert_axes if a in mesh.axis_names)
     token_axes = tuple(token_axes)
-    slot_of = None if expert_perm is None else inverse_permutation(expert_perm)
     G, shards = _validate(x, config, mesh, expert_axis, token_axes, seq_len, expert_perm,
                           buffer_size)
+    num_slots, slot_of, replicas = config.num_experts, None, None
+    if expert_perm is not None:
+        num_slots = len(expert_perm)
+        if num_slots == config.num_experts:
+            slot_of = inverse_permutation(expert_perm)
+        else:
+            replicas = replica_tables(expert_perm, config.num_experts)
+    if params.up_edf.shape[0] != num_slots:
+        raise ValueError(f"params hold {params.up_edf.shape[0]} experts but the layout has "
+                         f"{num_slots} physical slots; lay the weights out with "
+                         "layout_experts(params, expert_perm)")
     backend = check_backend(backend or default_backend())
+    if backend == "hierarchical" and len(expert_axes) != 2:
+        raise ValueError(f"backend='hierarchical' needs expert_axis=(outer, inner), two mesh "
+                         f"axes such as ('node', 'local'), not {expert_axis!r}")
     if schedule is not None and backend != "scheduled":
         raise ValueError(f"schedule= is used by backend='scheduled' only, not {backend!r}; "
                          "pass backend='scheduled' or drop schedule")
-    E_local = config.num_experts // G
+    E_local = num_slots // G
 
     def buffers(tl):
         if config.capacity(tl) is not None:
@@ -395,7 +477,7 @@ def expert_parallel_moe(
     body = functools.partial(
         _local_moe, config=config, slot_of=slot_of, axes=token_axes, expert_axis=expert_axis,
         G=G, num_shards=shards, buffer_size=buffers, backend=backend, seq_len=seq_len,
-        num_chunks=num_chunks, chunk_buffer=chunk_buffers,
+        num_chunks=num_chunks, chunk_buffer=chunk_buffers, replicas=replicas,
         schedule=None if schedule is None else tuple(tuple(map(tuple, r)) for r in schedule))
     overlap.chunk_bounds(x.shape[0] // shards, num_chunks)  # validates num_chunks early
     aux_specs = {k: P() for k in _SCALAR_AUX} | {"expert_load": P(), "router_logits": tok}

@@ -71,8 +71,12 @@ def mesh_from_plan(
     return Mesh(grid, MESH_AXES, axis_types=axis_types)
 
 
-def expert_permutation(plan) -> np.ndarray:
+def expert_permutation(plan, *, allow_replicas: bool = False) -> np.ndarray:
     """int32[E]: ``perm[p]`` = logical expert in physical slot p.
+
+    ``allow_replicas``: accept a replicated placement (``ModelSpec.num_replicas``);
+    the result is then int32[P], P >= E slots with every expert at least once, the
+    physical -> logical map ``expert_parallel_moe(expert_perm=...)`` takes.
 
     Slots are the plan's ``replicas`` of group 0 concatenated in group order, so
     device i of every group holds slots i*E/G .. (i+1)*E/G - 1. Every group must
@@ -96,11 +100,13 @@ def expert_permutation(plan) -> np.ndarray:
             "expert-parallel layer needs E/G experts on every device (plan with uniform "
             "expert_load or num_replicas=None and equal device capacities).")
     perm = np.asarray([e for slots in first for e in slots], dtype=np.int32)
+    if allow_replicas and sorted(set(perm.tolist())) == list(range(plan.num_experts)):
+        return perm
     if sorted(perm.tolist()) != list(range(plan.num_experts)):
         raise ValueError(
             f"plan.replicas[0] holds experts {sorted(perm.tolist())}, not each of the "
             f"{plan.num_experts} experts exactly once; replicated placements are not "
-            "supported by the expert-parallel layer (use num_replicas=None).")
+            "accepted only with expert_permutation(plan, allow_replicas=True).")
     return perm
 
 

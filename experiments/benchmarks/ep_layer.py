@@ -1,13 +1,21 @@
-"""Expert-parallel MoE layer per exchange backend vs the single-device layer, to JSON.
+"""Expert-parallel MoE layer per exchange backend and chunk count vs single-device peers.
 
 Times one jitted forward and one jitted forward+backward of
 ``aristax.parallel.expert_parallel_moe`` on host CPU devices (forced with
-``--xla_force_host_platform_device_count``) for each runnable exchange backend
-("ragged" needs GPU/TPU: it is timed only where the platform runs it), and the same
-steps of ``aristax.moe.moe`` on one device. On a CPU host the "devices" share the same
-cores, so the numbers measure overhead (exchange, padding), not speed-up.
+``--xla_force_host_platform_device_count``) for each exchange backend ("padded",
+"scheduled" (ppermute rounds), "hierarchical" (Tutel 2DH over a ("data", "node",
+"local") mesh), "ragged" where the platform runs it) and each Lancet chunk count
+(``num_chunks``), next to two single-device peers on the same batch:
+  * ``aristax.moe.moe`` (sorted dropless/capacity dispatch + grouped GEMM), and
+  * a GShard-style dense dispatch (Lepikhin et al. 2020, Algorithm 2): one-hot
+    dispatch and combine tensors [T, E, C] and einsums, position-priority capacity
+    C = ceil(cf * T * K / E) (``--dense-capacity-factor``). It is checked against
+    ``aristax.moe.moe`` with the same capacity before it is timed.
+Every row prints its ratio to both peers. On a CPU host the "devices" share the same
+cores, so the numbers measure overhead (exchange, padding, chunking), not speed-up.
 
 Usage: PYTHONPATH=. python experiments/benchmarks/ep_layer.py [--devices 8] [--tokens 4096]
+       [--chunks 1,2,3,4] [--backends padded,scheduled,hierarchical]
        [--out experiments/benchmarks/results/ep_layer.json]
 """
 
@@ -20,6 +28,13 @@ import sys
 _args = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 _args.add_argument("--devices", type=int, default=8)
 _args.add_argument("--mesh", default="2x4", help="data x expert, e.g. 1x8, 2x4, 4x2")
+_args.add_argument("--nodes", type=int, default=2,
+                   help="'hierarchical': the expert axis G split as nodes x G/nodes")
+_args.add_argument("--chunks", default="1,2,3,4", help="num_chunks values to time")
+_args.add_argument("--backends", default="padded,scheduled,hierarchical,ragged",
+                   help="exchange backends ('ragged' is skipped on CPU)")
+_args.add_argument("--dense-capacity-factor", type=float, default=1.25,
+                   help="capacity factor of the GShard dense-dispatch peer")
 _args.add_argument("--tokens", type=int, default=4096)
 _args.add_argument("--d-model", type=int, default=256)
 _args.add_argument("--d-ff", type=int, default=512)
@@ -42,6 +57,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from aristax import MoEConfig, MoEParams, moe  # noqa: E402
+from aristax import routing as routing_lib  # noqa: E402
 from aristax.parallel import EXCHANGE_BACKENDS, expert_parallel_moe  # noqa: E402
 
 
@@ -73,9 +89,56 @@ def steps(forward, x, params):
             "forward_backward": timed(jax.jit(jax.grad(loss, argnums=(0, 1))), x, params)}
 
 
+def gshard_dense(x, params: MoEParams, cfg: MoEConfig):
+    """GShard dense dispatch (Lepikhin et al. 2020, Alg. 2) on one device, swiglu experts.
+
+    Routing from ``aristax.routing.route`` (same router); "position" priority (all
+    top-1 choices in token order, then all top-2, ...); dispatch/combine [T, E, C].
+    Returns (y[T, D], {"loss": lb_loss * coef}) like the other peers.
+    """
+    T = x.shape[0]
+    E, K, C = cfg.num_experts, cfg.top_k, cfg.capacity(T)
+    r = routing_lib.route(x @ params.router_de, cfg.router_config)
+    onehot = jax.nn.one_hot(r.expert_ids, E, dtype=x.dtype) * r.mask[..., None]  # [T, K, E]
+    by_rank = onehot.transpose(1, 0, 2).reshape(K * T, E)
+    place = (jnp.cumsum(by_rank, axis=0) - by_rank).reshape(K, T, E).transpose(1, 0, 2)
+    keep = onehot * (place < C)
+    slot = jax.nn.one_hot(jnp.sum(place * keep, axis=-1).astype(jnp.int32), C,
+                          dtype=x.dtype)  # [T, K, C]
+    dispatch = jnp.einsum("tke,tkc->tec", keep, slot)
+    combine = jnp.einsum("tke,tkc,tk->tec", keep, slot, r.weights.astype(x.dtype))
+    xe = jnp.einsum("tec,td->ecd", dispatch, x)
+    h = jax.nn.silu(jnp.einsum("ecd,edf->ecf", xe, params.gate_edf)) * jnp.einsum(
+        "ecd,edf->ecf", xe, params.up_edf)
+    y = jnp.einsum("tec,ecd->td", combine, jnp.einsum("ecf,efd->ecd", h, params.down_efd))
+    return y, {"loss": cfg.lb_loss_coef * routing_lib.load_balancing_loss(r)}
+
+
+def hier_mesh(shape):
+    R, G = shape
+    if G % ARGS.nodes:
+        raise SystemExit(f"--nodes={ARGS.nodes} does not divide the expert axis G={G}")
+    return jax.make_mesh((R, ARGS.nodes, G // ARGS.nodes), ("data", "node", "local"))
+
+
+def ratio_table(results: dict) -> str:
+    base, dense = results["single_device"], results["gshard_dense"]
+    lines = [f"{'config':<28}{'fwd ms':>9}{'f+b ms':>9}{'fwd/moe':>9}{'f+b/moe':>9}"
+             f"{'fwd/dense':>10}{'f+b/dense':>10}"]
+    for name, v in results.items():
+        f, fb = v["forward"]["median_s"], v["forward_backward"]["median_s"]
+        lines.append(f"{name:<28}{f * 1e3:>9.2f}{fb * 1e3:>9.2f}"
+                     f"{f / base['forward']['median_s']:>9.2f}"
+                     f"{fb / base['forward_backward']['median_s']:>9.2f}"
+                     f"{f / dense['forward']['median_s']:>10.2f}"
+                     f"{fb / dense['forward_backward']['median_s']:>10.2f}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     cfg = MoEConfig(num_experts=ARGS.experts, top_k=ARGS.top_k, d_model=ARGS.d_model,
                     d_ff=ARGS.d_ff, capacity_factor=ARGS.capacity_factor)
+    dense_cfg = cfg.replace(capacity_factor=ARGS.dense_capacity_factor)
     ks = jax.random.split(jax.random.key(0), 5)
     E, D, F = cfg.num_experts, cfg.d_model, cfg.d_ff
     params = MoEParams(router_de=jax.random.normal(ks[0], (D, E)) * D ** -0.5,
@@ -85,20 +148,43 @@ def main() -> None:
     x = jax.random.normal(ks[4], (ARGS.tokens, D))
     shape = tuple(int(v) for v in ARGS.mesh.split("x"))
     mesh = jax.make_mesh(shape, ("data", "expert"))
-    result = {"machine": machine_info(), "args": vars(ARGS), "results": {}}
-    result["results"]["single_device"] = steps(lambda x, p: moe(x, p, cfg), x, params)
-    runnable = [b for b in EXCHANGE_BACKENDS if b != "ragged" or jax.default_backend() != "cpu"]
-    for backend in runnable:
-        fwd = lambda x, p, b=backend: expert_parallel_moe(x, p, cfg, mesh, backend=b)  # noqa: E731
-        result["results"][f"ep_{backend}"] = steps(fwd, x, params)
-        print(backend, {k: round(v["median_s"] * 1e3, 2)
-                        for k, v in result["results"][f"ep_{backend}"].items()}, "ms",
-              file=sys.stderr)
+    chunks = [int(c) for c in ARGS.chunks.split(",")]
+    backends = [b for b in ARGS.backends.split(",")
+                if b in EXCHANGE_BACKENDS and (b != "ragged" or jax.default_backend() != "cpu")]
+    note = (f"{len(jax.devices())} {jax.default_backend()} devices share "
+            f"{os.cpu_count()} CPU cores of one host (forced host platform devices): EP "
+            "numbers measure exchange/padding/chunking overhead, not speed-up; "
+            "the machine may be shared (loadavg recorded). The gshard_dense peer always "
+            f"runs with capacity_factor={ARGS.dense_capacity_factor} (it needs a capacity); "
+            f"moe and EP rows use capacity_factor={ARGS.capacity_factor} (None = dropless).")
+    result = {"machine": machine_info(), "note": note, "args": vars(ARGS), "results": {}}
+    # the dense peer computes moe() with capacity: check before timing
+    y_dense = jax.jit(lambda x, p: gshard_dense(x, p, dense_cfg)[0])(x, params)
+    y_moe = jax.jit(lambda x, p: moe(x, p, dense_cfg)[0])(x, params)
+    err = float(jnp.max(jnp.abs(y_dense - y_moe)))
+    result["gshard_dense_check"] = {"max_abs_diff_vs_moe": err,
+                                    "capacity_factor": ARGS.dense_capacity_factor}
+    print(f"gshard_dense vs moe(capacity_factor={ARGS.dense_capacity_factor}): "
+          f"max |diff| = {err:.2e}", file=sys.stderr)
+    assert err < 1e-3, err
+    res = result["results"]
+    res["single_device"] = steps(lambda x, p: moe(x, p, cfg), x, params)
+    res["gshard_dense"] = steps(lambda x, p: gshard_dense(x, p, dense_cfg), x, params)
+    for backend in backends:
+        m, ax = (hier_mesh(shape), ("node", "local")) if backend == "hierarchical" else (
+            mesh, "expert")
+        for k in chunks:
+            fwd = lambda x, p, b=backend, m=m, ax=ax, k=k: expert_parallel_moe(  # noqa: E731
+                x, p, cfg, m, backend=b, expert_axis=ax, num_chunks=k)
+            name = f"ep_{backend}_k{k}"
+            res[name] = steps(fwd, x, params)
+            print(name, {s: round(v["median_s"] * 1e3, 2) for s, v in res[name].items()},
+                  "ms", file=sys.stderr)
     result["machine"]["loadavg_at_end"] = os.getloadavg()
     Path(ARGS.out).parent.mkdir(parents=True, exist_ok=True)
     Path(ARGS.out).write_text(json.dumps(result, indent=2))
-    print(json.dumps({k: {s: round(v[s]["median_s"] * 1e3, 2) for s in v}
-                      for k, v in result["results"].items()}, indent=1))
+    print(note)
+    print(ratio_table(res))
 
 
 if __name__ == "__main__":
