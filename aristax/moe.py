@@ -86,7 +86,6 @@ def moe(
         num_dropped: int32[], nonfinite_tokens: int32[] tokens with NaN/inf logits
           (routed nowhere), router_logits: float32[T, E].
     """
-    T = x.shape[0]
     router_in = x
     if jitter_rng is not None and config.router_jitter > 0:
         router_in = routing_lib.apply_jitter(x, config.router_jitter, jitter_rng)
@@ -105,21 +104,38 @@ def moe(
     if params.shared_up_df is not None:
         y = y + dense_mlp(xc, params.shared_gate_df, params.shared_up_df,
                           params.shared_down_fd, activation=config.activation)
+    return y.astype(dtype), moe_aux(routing, logits, dispatch.num_dropped, config, seq_len)
 
+
+def moe_aux(
+    routing: routing_lib.Routing,
+    logits: jax.Array,
+    num_dropped: jax.Array,
+    config: MoEConfig,
+    seq_len: int | None,
+) -> dict[str, jax.Array]:
+    """The ``aux`` dict of ``moe`` (see there) from the whole batch's routing.
+
+    Args:
+      routing: the batch's ``Routing``. logits: [T, E]. num_dropped: int32[] routed
+      slots dropped for lack of capacity. seq_len: S, or None for one sequence.
+    """
+    T = logits.shape[0]
     finite = jnp.all(jnp.isfinite(logits), axis=-1)
     lb = routing_lib.load_balancing_loss(routing)
     z = routing_lib.router_z_loss(logits, finite)
     seq = routing_lib.sequence_balance_loss(routing, seq_len or T)
-    aux = {
+    routed = jnp.sum(routing.mask, dtype=jnp.int32)
+    return {
         "loss": config.lb_loss_coef * lb + config.seq_aux_loss_coef * seq
         + config.z_loss_coef * z,
         "lb_loss": lb,
         "seq_aux_loss": seq,
         "z_loss": z,
         "expert_load": routing.expert_load(),
-        "dropped_fraction": dispatch.dropped_fraction,
-        "num_dropped": dispatch.num_dropped,
+        "dropped_fraction": num_dropped.astype(jnp.float32)
+        / jnp.maximum(routed, 1).astype(jnp.float32),
+        "num_dropped": num_dropped,
         "nonfinite_tokens": jnp.sum(~finite, dtype=jnp.int32),
         "router_logits": logits,
     }
-    return y.astype(dtype), aux

@@ -57,7 +57,7 @@ from aristax import dispatch as dispatch_lib
 from aristax import routing as routing_lib
 from aristax.config import MoEConfig
 from aristax.experts import dense_mlp, expert_mlp
-from aristax.moe import MoEParams, make_dispatch, router_logits
+from aristax.moe import MoEParams, make_dispatch, moe_aux, router_logits
 
 Bounds = tuple[tuple[int, int], ...]
 
@@ -179,28 +179,6 @@ def chunk_experts(xc: jax.Array, routing: routing_lib.Routing, params: MoEParams
     out = expert_mlp(rows, d.group_sizes, params.gate_edf, params.up_edf, params.down_efd,
                      activation=config.activation, implementation=config.implementation)
     return dispatch_lib.combine(out, d, routing.weights)
-
-
-def moe_aux(routing: routing_lib.Routing, logits: jax.Array, num_dropped: jax.Array,
-            config: MoEConfig, seq_len: int | None) -> dict[str, jax.Array]:
-    """The aux dict of ``aristax.moe.moe`` from the whole batch's routing."""
-    T = logits.shape[0]
-    finite = jnp.all(jnp.isfinite(logits), axis=-1)
-    lb = routing_lib.load_balancing_loss(routing)
-    z = routing_lib.router_z_loss(logits, finite)
-    seq = routing_lib.sequence_balance_loss(routing, seq_len or T)
-    routed = jnp.sum(routing.mask, dtype=jnp.int32)
-    return {
-        "loss": config.lb_loss_coef * lb + config.seq_aux_loss_coef * seq
-        + config.z_loss_coef * z,
-        "lb_loss": lb, "seq_aux_loss": seq, "z_loss": z,
-        "expert_load": routing.expert_load(),
-        "dropped_fraction": num_dropped.astype(jnp.float32)
-        / jnp.maximum(routed, 1).astype(jnp.float32),
-        "num_dropped": num_dropped,
-        "nonfinite_tokens": jnp.sum(~finite, dtype=jnp.int32),
-        "router_logits": logits,
-    }
 
 
 def chunked_moe(
