@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("demo", help="train a small MoE LM on local text (~3 min on 2 cores)")
+    p = subparsers.add_parser("demo", help="train a small MoE LM on local text (~1.5 min on 2 cores)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=128)
