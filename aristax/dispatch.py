@@ -16,10 +16,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from aristax.config import accumulation_dtype
+from aristax.config import DROP_POLICIES, accumulation_dtype
 from aristax.routing import Routing
-
-DROP_POLICIES = ("position", "probability")
 
 
 @flax.struct.dataclass

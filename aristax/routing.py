@@ -13,13 +13,12 @@ Losses:
 
 from __future__ import annotations
 
-import math
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-from aristax.config import RouterConfig, accumulation_dtype
+from aristax.config import RouterConfig, accumulation_dtype, expert_capacity
 
 
 @flax.struct.dataclass
@@ -108,8 +107,8 @@ def _token_choice(
 
 def expert_choice_capacity(num_tokens: int, cfg: RouterConfig) -> int:
     """C = ceil(capacity * T * K / E) tokens per expert under expert choice, in [1, T]."""
-    C = math.ceil(cfg.expert_capacity_factor * num_tokens * cfg.top_k / cfg.num_experts)
-    return min(num_tokens, max(1, C))
+    factor = cfg.expert_capacity_factor
+    return min(num_tokens, expert_capacity(num_tokens, cfg.top_k, cfg.num_experts, factor))
 
 
 def _expert_choice(

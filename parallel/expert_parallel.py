@@ -79,15 +79,15 @@ def send_layout(group_sizes: jax.Array, num_devices: int, buffer_size: int):
       group_sizes: int32[E] rows per physical slot (slots e*El.. belong to device e//El).
     Returns:
       input_offsets int32[G] (first row of each destination's block), send_sizes
-      int32[G] (<= B), sent_counts int32[G, El] rows per (destination, local expert)
-      that fit in B, and block_sizes int32[G] before clipping.
+      int32[G] (<= B) and sent_counts int32[G, El] rows per (destination, local
+      expert) that fit in B.
     """
     counts = group_sizes.reshape(num_devices, -1)  # [G, El]
     block = jnp.sum(counts, axis=1, dtype=jnp.int32)
     offsets = jnp.cumsum(block, dtype=jnp.int32) - block
     cum = jnp.minimum(jnp.cumsum(counts, axis=1, dtype=jnp.int32), buffer_size)
     sent = jnp.diff(cum, axis=1, prepend=jnp.zeros((num_devices, 1), jnp.int32))
-    return offsets, jnp.minimum(block, buffer_size), sent, block
+    return offsets, jnp.minimum(block, buffer_size), sent
 
 
 def rows_sent(input_offsets: jax.Array, send_sizes: jax.Array, num_rows: int) -> jax.Array:
@@ -126,9 +126,6 @@ def local_experts(recv: jax.Array, recv_counts: jax.Array, params: MoEParams, co
 
 
 # ------------------------------------------------------------------ local aux
-def _psum(x, axes):
-    return jax.lax.psum(x, axes)
-
 
 def sequence_loss(routing, axes, num_shards: int, seq_len: int) -> jax.Array:
     """DeepSeek-V3 eq. 17-20 over the whole batch (``routing_lib.sequence_balance_loss``)
@@ -141,8 +138,8 @@ def sequence_loss(routing, axes, num_shards: int, seq_len: int) -> jax.Array:
     start = jax.lax.axis_index(axes).astype(jnp.int32) * Tl
     seq_id = (start + jnp.arange(Tl, dtype=jnp.int32)) // seq_len
     onehot = jax.nn.one_hot(routing.expert_ids, E, dtype=dt) * routing.mask[..., None].astype(dt)
-    counts = _psum(jax.ops.segment_sum(jnp.sum(onehot, axis=1), seq_id, num_seq), axes)
-    P_ = _psum(jax.ops.segment_sum(routing.probs, seq_id, num_seq), axes) / seq_len
+    counts = jax.lax.psum(jax.ops.segment_sum(jnp.sum(onehot, axis=1), seq_id, num_seq), axes)
+    P_ = jax.lax.psum(jax.ops.segment_sum(routing.probs, seq_id, num_seq), axes) / seq_len
     return jnp.mean(jnp.sum(counts * (E / (K * seq_len)) * P_, axis=-1))
 
 
@@ -151,26 +148,25 @@ def global_aux(routing, dispatch, num_overflow, config: MoEConfig, axes, num_sha
     """The single-device layer's aux on the whole batch, from all-reduced local counts."""
     Tl, E = routing.probs.shape
     T = Tl * num_shards
-    K = routing.expert_ids.shape[1]
     dt = routing.probs.dtype
-    load = _psum(routing.expert_load(), axes)
-    mean_p = _psum(jnp.sum(routing.probs, axis=0), axes) / T
+    load = jax.lax.psum(routing.expert_load(), axes)
+    mean_p = jax.lax.psum(jnp.sum(routing.probs, axis=0), axes) / T
     lb = E * jnp.sum(load.astype(dt) / T * mean_p)
     finite = jnp.all(jnp.isfinite(routing.logits), axis=-1)
     z = jax.nn.logsumexp(routing.logits, axis=-1) ** 2
-    z = _psum(jnp.sum(jnp.where(finite, z, 0.0)), axes) / jnp.maximum(
-        _psum(jnp.sum(finite, dtype=jnp.int32), axes), 1).astype(z.dtype)
+    z = jax.lax.psum(jnp.sum(jnp.where(finite, z, 0.0)), axes) / jnp.maximum(
+        jax.lax.psum(jnp.sum(finite, dtype=jnp.int32), axes), 1).astype(z.dtype)
     seq = sequence_loss(routing, axes, num_shards, seq_len or T)
-    routed = _psum(dispatch.num_routed, axes)
-    dropped = _psum(dispatch.num_dropped + num_overflow, axes)
+    routed = jax.lax.psum(dispatch.num_routed, axes)
+    dropped = jax.lax.psum(dispatch.num_dropped + num_overflow, axes)
     return {
         "loss": config.lb_loss_coef * lb + config.seq_aux_loss_coef * seq
         + config.z_loss_coef * z,
         "lb_loss": lb, "seq_aux_loss": seq, "z_loss": z, "expert_load": load,
         "dropped_fraction": dropped.astype(jnp.float32) / jnp.maximum(routed, 1).astype(
             jnp.float32),
-        "num_dropped": dropped, "num_overflow": _psum(num_overflow, axes),
-        "nonfinite_tokens": _psum(jnp.sum(~finite, dtype=jnp.int32), axes),
+        "num_dropped": dropped, "num_overflow": jax.lax.psum(num_overflow, axes),
+        "nonfinite_tokens": jax.lax.psum(jnp.sum(~finite, dtype=jnp.int32), axes),
         "router_logits": routing.logits,
     }
 
@@ -188,7 +184,7 @@ def _exchange_experts(xc, dispatch, weights, params, config, *, G, B, expert_axi
     """
     rows = dispatch_lib.permute(xc, dispatch)  # [M, D] sorted by slot
     M = rows.shape[0]
-    offsets, sizes, sent_counts, _ = send_layout(dispatch.group_sizes, G, B)
+    offsets, sizes, sent_counts = send_layout(dispatch.group_sizes, G, B)
     recv_counts = jax.lax.all_to_all(sent_counts, expert_axis, 0, 0, tiled=True)
     trip = dict(axis_name=expert_axis, buffer_size=B, backend=backend, schedule=schedule)
     recv = exchange(rows, offsets, sizes, **trip)
@@ -482,7 +478,7 @@ def expert_parallel_moe(
     overlap.chunk_bounds(x.shape[0] // shards, num_chunks)  # validates num_chunks early
     aux_specs = {k: P() for k in _SCALAR_AUX} | {"expert_load": P(), "router_logits": tok}
     fn = jax.shard_map(
-        lambda x, r, p, b: body(x, r, p, b), mesh=mesh,
+        body, mesh=mesh,
         in_specs=(tok, tok, pspecs, P()),
         out_specs=(tok, aux_specs))
     y, aux = fn(x, router_in, params, bias)

@@ -193,6 +193,7 @@ def generate(
     eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int | None = None,
     rng: jax.Array | None = None,
+    views: tuple | None = None,
 ) -> np.ndarray:
     """Generate up to ``max_new_tokens`` tokens after left-padded prompts.
 
@@ -206,11 +207,13 @@ def generate(
       eos_token_id: id or ids that end a row; generation stops when all rows ended.
       pad_token_id: emitted by ended rows (default: the first EOS id, as HF).
       rng: PRNG key for sampling (default ``jax.random.key(0)``).
+      views: ``expert_views(model)`` made once and reused across calls (default:
+        made per call, which copies the expert weights).
     Returns:
       int[B, S + n] numpy array, prompts followed by the n <= N generated tokens.
     """
     out, _ = generate_with_stats(
         model, input_ids, max_new_tokens, attention_mask=attention_mask,
         temperature=temperature, top_p=top_p, eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id, rng=rng)
+        pad_token_id=pad_token_id, rng=rng, views=views)
     return out

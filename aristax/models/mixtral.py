@@ -380,7 +380,7 @@ class DecoderLayer(nnx.Module):
             cfg = self.moe.config
             y, logits = sparse_moe.sparse_moe(
                 m_in.reshape(B * S, D), self.moe.router.weight_de[...], views,
-                cfg.router_config)
+                cfg.router_config, cfg.activation)
             y, logits = y.reshape(B, S, D), logits.reshape(B, S, -1)
         else:
             y, aux = self.moe(m_in)

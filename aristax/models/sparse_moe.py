@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from aristax import routing as routing_lib
 from aristax.config import RouterConfig
+from aristax.experts import dense_mlp
 from aristax.moe import router_logits
 
 # Up to this many tokens, ``Mixtral`` uses this path when it is given expert views
@@ -55,7 +56,8 @@ def expert_views(moe_module) -> ExpertViews:
 
 
 def sparse_moe(
-    x: jax.Array, router_de: jax.Array, views: ExpertViews, config: RouterConfig
+    x: jax.Array, router_de: jax.Array, views: ExpertViews, config: RouterConfig,
+    activation: str = "swiglu",
 ) -> tuple[jax.Array, jax.Array]:
     """Mixtral MoE for a few tokens, reading only the selected experts.
 
@@ -64,6 +66,7 @@ def sparse_moe(
       router_de: [D, E] router weight.
       views: ``expert_views`` of the layer.
       config: routing config (``MoEConfig.router_config``); token-choice routers only.
+      activation: the experts' gated activation ("swiglu" or "geglu").
     Returns:
       (y [T, D] in x's dtype, router_logits float32[T, E]).
     """
@@ -82,11 +85,8 @@ def sparse_moe(
 
     def expert(e):
         def run(x):
-            gate = jnp.dot(x, gates[e], preferred_element_type=jnp.float32)
-            up = jnp.dot(x, ups[e], preferred_element_type=jnp.float32)
-            h = (jax.nn.silu(gate) * up).astype(x.dtype)
-            out = jnp.dot(h, downs[e], preferred_element_type=jnp.float32)
-            return out * combine[:, e:e + 1]
+            out = dense_mlp(x, gates[e], ups[e], downs[e], activation=activation)
+            return out.astype(jnp.float32) * combine[:, e:e + 1]
 
         return run
 

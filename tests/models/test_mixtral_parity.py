@@ -94,7 +94,8 @@ def test_eos_stops_rows_like_hf(small_pair):
 
 
 def test_sparse_decode_path_matches_module_path(small_pair):
-    """The small-T expert path (per-expert views) equals the aristax.MoE path."""
+    """The small-T expert path (per-expert views) equals Hugging Face and the
+    aristax.MoE path."""
     ids, mask = left_padded(np.random.default_rng(5), [S, 8, 3], S,
                             small_pair.hf.config.vocab_size)
     model, ids, mask = small_pair.ours, jnp.asarray(ids), jnp.asarray(mask)
@@ -102,6 +103,10 @@ def test_sparse_decode_path_matches_module_path(small_pair):
     sparse = forward(model, ids, mask, expert_views=expert_views(model))
     np.testing.assert_allclose(np.asarray(sparse.logits), np.asarray(dense.logits),
                                rtol=1e-5, atol=1e-6)
+    ref = hf_logits(small_pair.hf, np.asarray(ids), np.asarray(mask))
+    real = np.asarray(mask).astype(bool)
+    np.testing.assert_allclose(np.asarray(sparse.logits)[real], ref.logits.numpy()[real],
+                               rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.parametrize("shard", [False, True])
