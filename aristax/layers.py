@@ -89,11 +89,20 @@ class MoE(nnx.Module):
     ``with jax.set_mesh(mesh):`` (read with ``jax.sharding.get_abstract_mesh()``, so
     it works inside ``jit``). Without such a mesh it runs the single-device
     ``aristax.moe.moe``.
+
+    ``plan=`` (an ``aristax.planner.Plan``, with ``mesh=mesh_from_plan(plan, ...)``)
+    carries out the plan: the experts are stored in the plan's physical order
+    ([P, ...] slots: placement, replicas, empty slots; ``logical_params()`` gives the
+    logical [E, ...] order for checkpoints), and the expert axis, exchange backend
+    and Lancet chunk count come from ``aristax.parallel.expert_parallel_options``
+    (``config.exchange_backend`` and ``config.num_chunks > 1`` override them).
     """
 
-    def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None):
+    def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None,
+                 plan=None):
         self.config = config
         self.mesh = mesh
+        self.ep_options = None
         self.router = Router(config, rngs=rngs)
         self.experts = Experts(config, rngs=rngs)
         self.shared_experts = (
@@ -101,6 +110,35 @@ class MoE(nnx.Module):
         )
         self.jitter_rngs = rngs.fork() if config.router_jitter > 0 else None
         self.deterministic = False
+        if plan is not None:
+            self._apply_plan(plan)
+
+    def _apply_plan(self, plan) -> None:
+        from aristax.parallel import expert_parallel_options, layout_experts
+
+        if self.mesh is None:
+            raise ValueError("MoE(plan=...) needs mesh=mesh_from_plan(plan, devices)")
+        if plan.num_experts != self.config.num_experts:
+            raise ValueError(f"plan.num_experts={plan.num_experts} but MoEConfig.num_experts="
+                             f"{self.config.num_experts}; plan for the model's E")
+        options = expert_parallel_options(plan, self.mesh)
+        self.ep_options = tuple(sorted(options.items()))
+        if options["expert_perm"] is not None:
+            physical = layout_experts(self.params(), options["expert_perm"])
+            for name in ("gate_edf", "up_edf", "down_efd"):
+                variable = getattr(self.experts, name)
+                if variable is not None:
+                    variable.set_value(getattr(physical, name))
+
+    def logical_params(self) -> MoEParams:
+        """``params()`` with experts in logical order [E, ...] (a replicated expert
+        from its first slot): what checkpoints hold."""
+        options = dict(self.ep_options or ())
+        if options.get("expert_perm") is None:
+            return self.params()
+        from aristax.parallel import layout_experts
+
+        return layout_experts(self.params(), options["expert_perm"], inverse=True)
 
     def params(self) -> MoEParams:
         shared = self.shared_experts
@@ -141,6 +179,15 @@ class MoE(nnx.Module):
         when an expert mesh is active."""
         cfg = self.config
         mesh = self.mesh if self.mesh is not None else jax.sharding.get_abstract_mesh()
+        if self.ep_options is not None:
+            from aristax.parallel import expert_parallel_moe
+
+            options = dict(self.ep_options)
+            if cfg.exchange_backend is not None:
+                options["backend"] = cfg.exchange_backend
+            if cfg.num_chunks > 1:
+                options["num_chunks"] = cfg.num_chunks
+            return functools.partial(expert_parallel_moe, mesh=mesh, **options)
         if mesh is not None and not mesh.empty and EXPERT_AXIS in mesh.axis_names:
             from aristax.parallel import expert_parallel_moe  # parallel imports this package
 

@@ -16,32 +16,41 @@ from aristax.parallel.collectives import (
     scheduled_all_to_all,
 )
 from aristax.parallel.distributed import initialize_distributed, resolve_distributed
-from aristax.parallel.expert_parallel import expert_parallel_moe
+from aristax.parallel.expert_parallel import expert_parallel_moe, expert_parallel_options
 from aristax.parallel.measure import fit_alpha_beta, measure_topology
 from aristax.parallel.mesh import (
+    EMPTY_SLOT,
+    HIERARCHICAL_AXES,
     MESH_AXES,
+    expert_axes_of,
     expert_permutation,
     inverse_permutation,
     layout_experts,
+    logical_slots,
     mesh_from_plan,
 )
 from aristax.parallel.overlap import chunk_bounds, chunked_moe, num_chunks_from_plan
 
 __all__ = [
+    "EMPTY_SLOT",
     "EXCHANGE_BACKENDS",
+    "HIERARCHICAL_AXES",
     "MESH_AXES",
     "chunk_bounds",
     "chunked_moe",
     "complete_rounds",
     "default_backend",
     "exchange",
+    "expert_axes_of",
     "expert_parallel_moe",
+    "expert_parallel_options",
     "expert_permutation",
     "fit_alpha_beta",
     "hierarchical_all_to_all",
     "initialize_distributed",
     "inverse_permutation",
     "layout_experts",
+    "logical_slots",
     "measure_topology",
     "mesh_from_plan",
     "num_chunks_from_plan",

@@ -59,7 +59,8 @@ from aristax.experts import dense_mlp, expert_mlp
 from aristax.moe import MoEParams, make_dispatch, router_logits
 from aristax.parallel import overlap
 from aristax.parallel.collectives import check_backend, default_backend, exchange
-from aristax.parallel.mesh import inverse_permutation
+from aristax.parallel.mesh import (EMPTY_SLOT, expert_axes_of, expert_permutation,
+                                   inverse_permutation)
 from aristax.sharding import DATA_AXIS, EXPERT_AXIS, PARAM_AXES
 
 _PARAM_NAMES = {
@@ -219,7 +220,8 @@ def _chunked_exchange(xc, routing, physical, config, chunk_buffer, num_chunks, *
 
 def replica_tables(phys_to_log: Sequence[int], num_experts: int) -> tuple[np.ndarray, np.ndarray]:
     """Slots of each logical expert: (slots int32[E, Rmax] padded with the first slot,
-    counts int32[E]) from the physical -> logical map int[P]."""
+    counts int32[E]) from the physical -> logical map int[P] (``EMPTY_SLOT`` slots
+    belong to no expert and receive no rows)."""
     phys_to_log = np.asarray(phys_to_log)
     where = [np.flatnonzero(phys_to_log == e) for e in range(num_experts)]
     width = max(len(w) for w in where)
@@ -276,6 +278,35 @@ def _local_moe(x, router_in, params, bias, *, config, slot_of, axes, expert_axis
 
 
 # ------------------------------------------------------------------ front door
+def expert_parallel_options(plan, mesh, *, platform: str | None = None) -> dict[str, Any]:
+    """``expert_parallel_moe`` keyword arguments that carry out ``plan`` on ``mesh``.
+
+    Args:
+      plan: the ``aristax.planner.Plan`` the mesh was built from (``mesh_from_plan``).
+      mesh: its mesh: ("data", "expert") or ("data", "node", "local").
+      platform: "cpu", "gpu", ...; None: ``jax.default_backend()``.
+    Returns:
+      {"expert_perm": the plan's physical layout (None when it is the identity),
+       "expert_axis": "expert" or ("node", "local"),
+       "backend": "hierarchical" when the groups span several nodes (Tutel 2DH: the
+         slow inter-node links carry one message per node pair), else the
+         platform's ("ragged" on GPU/TPU, "padded" on CPU),
+       "num_chunks": the Lancet partition count of the dispatch all-to-all
+         (1 when the plan has none)}.
+    """
+    expert_axis = expert_axes_of(mesh)
+    perm = expert_permutation(plan, allow_replicas=True)
+    identity = len(perm) == plan.num_experts and np.array_equal(perm, np.arange(len(perm)))
+    chunks = (overlap.num_chunks_from_plan(plan) if "dispatch" in getattr(plan, "op_names", ())
+              else 1)
+    return {
+        "expert_perm": None if identity else tuple(int(p) for p in perm),
+        "expert_axis": expert_axis,
+        "backend": "hierarchical" if isinstance(expert_axis, tuple) else default_backend(platform),
+        "num_chunks": chunks,
+    }
+
+
 def _expert_axes(expert_axis) -> tuple[str, ...]:
     """``expert_axis`` as a tuple of mesh axis names (a str is one axis)."""
     if isinstance(expert_axis, str):
@@ -341,11 +372,12 @@ def _validate(x, config, mesh, expert_axis, token_axes, seq_len, slot_of, buffer
     E = config.num_experts
     if slot_of is not None:  # expert_perm: the physical -> logical map
         phys = np.asarray(slot_of).reshape(-1)
-        if (phys.size < E or phys.size % G or sorted(set(phys.tolist())) != list(range(E))):
+        held = sorted(set(phys.tolist()) - {EMPTY_SLOT})
+        if phys.size < E or phys.size % G or held != list(range(E)) or phys.min() < EMPTY_SLOT:
             raise ValueError(
-                f"expert_perm must map P physical slots to logical experts, every one of "
-                f"range(num_experts={E}) at least once, with P >= E and P % G == 0 "
-                f"(G={G}); got {phys.size} slots holding experts {sorted(set(phys.tolist()))}")
+                f"expert_perm must map P physical slots to logical experts (or EMPTY_SLOT="
+                f"{EMPTY_SLOT}), every one of range(num_experts={E}) at least once, with "
+                f"P >= E and P % G == 0 (G={G}); got {phys.size} slots holding {held}")
         E = phys.size
     if E % G:
         raise ValueError(f"MoEConfig.num_experts={E} is not a multiple of the {expert_axis!r} "
@@ -394,6 +426,7 @@ def expert_parallel_moe(
       expert_perm: int[P], logical expert in each physical slot (``Plan.replicas``
         style: device g holds slots g*P/G .. (g+1)*P/G - 1), e.g.
         ``expert_permutation(plan)``; None: identity. P = E: a permutation.
+        ``EMPTY_SLOT`` (-1) entries pad devices that hold fewer experts.
         P > E: replicated experts (every logical expert in >= 1 slot, P % G == 0;
         params hold [P, ...] weights, ``layout_experts(params, expert_perm)``): each
         logical expert's tokens are split over its replicas round-robin by global

@@ -4,10 +4,13 @@ Letters: E experts, G expert-parallel group size (devices per group), R groups
 (data-parallel replicas of the expert layer), V = R * G devices.
 
 The mesh has axes ("data", "expert") of shape (R, G): row r is ``plan.groups[r]``,
-so every plan group is one expert-parallel group and "data" runs across groups.
+so every plan group is one expert-parallel group and "data" runs across groups. When
+the groups span N > 1 hosts the expert axis splits into ("node", "local") of shape
+(N, G/N), which the "hierarchical" exchange uses.
 Checkpoints keep experts in logical order; ``expert_permutation(plan)`` gives the
-physical order (device g of a group holds physical slots g*E/G .. (g+1)*E/G - 1),
-and ``layout_experts`` applies it to the weights once, when they are laid out.
+physical order (P slots, P/G per device: the plan's placement, its replicas, and
+empty slots where a device holds fewer experts), and ``layout_experts`` applies it
+to the weights once, when they are laid out.
 """
 
 from __future__ import annotations
@@ -22,7 +25,34 @@ from aristax.moe import MoEParams
 from aristax.sharding import DATA_AXIS, EXPERT_AXIS
 
 MESH_AXES = (DATA_AXIS, EXPERT_AXIS)
+HIERARCHICAL_AXES = (DATA_AXIS, "node", "local")
+EMPTY_SLOT = -1  # a physical slot that holds no expert (see expert_permutation)
 _EXPERT_FIELDS = ("gate_edf", "up_edf", "down_efd")
+
+
+def _group_nodes(plan, topology) -> int:
+    """Nodes per group (1: every group inside one node) from ``topology.node``.
+
+    Raises ValueError unless each group is node-contiguous (its devices of one node
+    consecutive) with the same number of devices on each of its nodes, the layout a
+    ("node", "local") pair of mesh axes can hold.
+    """
+    if topology is None or topology.node is None:
+        return 1
+    counts = set()
+    for r, group in enumerate(plan.groups):
+        nodes = [int(topology.node[d]) for d in group]
+        runs = [n for i, n in enumerate(nodes) if i == 0 or n != nodes[i - 1]]
+        if len(runs) != len(set(runs)) or len({nodes.count(n) for n in runs}) != 1:
+            raise ValueError(
+                f"plan.groups[{r}] = {list(group)} lies on nodes {nodes}; a (node, local) mesh "
+                "needs each node's devices consecutive and equally many per node: pass "
+                "hierarchical=False for a flat ('data', 'expert') mesh")
+        counts.add(len(runs))
+    if len(counts) != 1:
+        raise ValueError(f"plan groups span different numbers of nodes {sorted(counts)}; pass "
+                         "hierarchical=False for a flat ('data', 'expert') mesh")
+    return counts.pop()
 
 
 def mesh_from_plan(
@@ -30,9 +60,13 @@ def mesh_from_plan(
     devices: Sequence[jax.Device] | None = None,
     *,
     num_experts: int | None = None,
-    axis_types: tuple[AxisType, AxisType] | None = None,
+    axis_types: tuple[AxisType, ...] | None = None,
+    topology=None,
+    hierarchical: bool | None = None,
 ) -> Mesh:
-    """A ("data", "expert") mesh of shape (R, G) whose rows are the plan's groups.
+    """A ("data", "expert") mesh of shape (R, G) whose rows are the plan's groups, or a
+    ("data", "node", "local") mesh of shape (R, N, G/N) when the groups span N > 1
+    nodes (for the "hierarchical" exchange; ``expert_parallel_options`` picks it).
 
     Args:
       plan: ``aristax.planner.Plan``; ``plan.groups[r][i]`` is an index into
@@ -40,11 +74,16 @@ def mesh_from_plan(
       devices: the V devices the plan was made for, in the planner's device order
         (default ``jax.devices()``).
       num_experts: when given, must equal ``plan.num_experts`` (the model's E).
-      axis_types: mesh axis types (default: ``Explicit`` for both, as
+      axis_types: mesh axis types (default: ``Explicit`` for every axis, as
         ``jax.make_mesh``); ``expert_parallel_moe`` accepts either kind.
+      topology: the ``aristax.planner.Topology`` the plan was made for; its ``node``
+        ids tell which devices share a host.
+      hierarchical: True: the 3-axis mesh (needs ``topology.node``); False: always
+        the 2-axis mesh; None: 3 axes iff the groups span more than one node.
     Raises:
       ValueError: the plan's device count differs from ``len(devices)``, its expert
-        count from ``num_experts``, or its groups have unequal sizes.
+        count from ``num_experts``, its groups have unequal sizes, or (3 axes) a
+        group's devices are not node-contiguous with equal devices per node.
     """
     devices = list(jax.devices() if devices is None else devices)
     if plan.num_devices != len(devices):
@@ -62,29 +101,48 @@ def mesh_from_plan(
             f"plan.groups have unequal sizes {[len(g) for g in plan.groups]}; a mesh needs "
             "equal expert-parallel groups: make the plan with equal groups "
             "(make_plan(..., groups=...)).")
-    grid = np.empty((len(plan.groups), sizes[0]), dtype=object)
-    for r, group in enumerate(plan.groups):
-        for i, d in enumerate(group):
-            grid[r, i] = devices[d]
+    if hierarchical and (topology is None or topology.node is None):
+        raise ValueError("hierarchical=True needs topology= with node ids (Topology.node)")
+    nodes = _group_nodes(plan, topology) if hierarchical is not False else 1
+    grid = np.array([[devices[d] for d in group] for group in plan.groups], dtype=object)
+    names = MESH_AXES
+    if nodes > 1 or hierarchical:
+        grid = grid.reshape(len(plan.groups), nodes, sizes[0] // nodes)
+        names = HIERARCHICAL_AXES
     if axis_types is None:
-        axis_types = (AxisType.Explicit, AxisType.Explicit)
-    return Mesh(grid, MESH_AXES, axis_types=axis_types)
+        axis_types = (AxisType.Explicit,) * len(names)
+    return Mesh(grid, names, axis_types=axis_types)
+
+
+def expert_axes_of(mesh) -> str | tuple[str, str]:
+    """The expert-parallel axis of a ``mesh_from_plan`` mesh: "expert" or ("node", "local")."""
+    if EXPERT_AXIS in mesh.axis_names:
+        return EXPERT_AXIS
+    if all(a in mesh.axis_names for a in HIERARCHICAL_AXES[1:]):
+        return HIERARCHICAL_AXES[1:]
+    raise ValueError(f"mesh axes {mesh.axis_names} have no expert axis: build the mesh with "
+                     "mesh_from_plan, or name an 'expert' axis")
 
 
 def expert_permutation(plan, *, allow_replicas: bool = False) -> np.ndarray:
-    """int32[E]: ``perm[p]`` = logical expert in physical slot p.
+    """int32[P]: ``perm[p]`` = logical expert in physical slot p, or ``EMPTY_SLOT`` (-1).
 
-    ``allow_replicas``: accept a replicated placement (``ModelSpec.num_replicas``);
-    the result is then int32[P], P >= E slots with every expert at least once, the
-    physical -> logical map ``expert_parallel_moe(expert_perm=...)`` takes.
+    Slots are the plan's ``replicas`` of group 0 concatenated in group order, each
+    device padded to the most experts any device holds: device i of every group
+    holds slots i*S .. (i+1)*S - 1 (S = P / G). Padding slots (a device that holds
+    fewer experts, as LysiAssign gives slower or smaller devices) are ``EMPTY_SLOT``:
+    zero weights, never routed to. P = E when the plan places every expert once on
+    equally loaded devices; then ``perm`` is a permutation.
 
-    Slots are the plan's ``replicas`` of group 0 concatenated in group order, so
-    device i of every group holds slots i*E/G .. (i+1)*E/G - 1. Every group must
-    use the same local layout (the "expert" shards are replicated over "data").
+    ``allow_replicas``: accept a replicated placement (``ModelSpec.num_replicas``):
+    experts may then occupy several slots.
+
+    Every group must use the same local layout (the "expert" shards are replicated
+    over "data").
 
     Raises:
-      ValueError: an expert is replicated or missing, devices hold unequal numbers
-        of experts, or groups lay experts out differently.
+      ValueError: an expert is missing, replicated without ``allow_replicas``, or
+        groups lay experts out differently.
     """
     first = plan.replicas[0]
     for g, reps in enumerate(plan.replicas[1:], start=1):
@@ -93,21 +151,24 @@ def expert_permutation(plan, *, allow_replicas: bool = False) -> np.ndarray:
                 f"plan.replicas[{g}] lays experts out differently from plan.replicas[0]; "
                 "expert-parallel weights are replicated over 'data', so every group needs "
                 "the same per-device layout.")
-    counts = [len(s) for s in first]
-    if len(set(counts)) != 1:
+    width = max(len(s) for s in first)
+    perm = np.asarray([e for slots in first for e in tuple(slots)
+                       + (EMPTY_SLOT,) * (width - len(slots))], dtype=np.int32)
+    held = perm[perm != EMPTY_SLOT].tolist()
+    if sorted(set(held)) != list(range(plan.num_experts)):
+        raise ValueError(f"plan.replicas[0] holds experts {sorted(set(held))}, not every one of "
+                         f"the {plan.num_experts} experts")
+    if len(held) != len(set(held)) and not allow_replicas:
         raise ValueError(
-            f"plan.replicas[0] puts {counts} experts on the devices of a group; the "
-            "expert-parallel layer needs E/G experts on every device (plan with uniform "
-            "expert_load or num_replicas=None and equal device capacities).")
-    perm = np.asarray([e for slots in first for e in slots], dtype=np.int32)
-    if allow_replicas and sorted(set(perm.tolist())) == list(range(plan.num_experts)):
-        return perm
-    if sorted(perm.tolist()) != list(range(plan.num_experts)):
-        raise ValueError(
-            f"plan.replicas[0] holds experts {sorted(perm.tolist())}, not each of the "
-            f"{plan.num_experts} experts exactly once; replicated placements are not "
-            "accepted only with expert_permutation(plan, allow_replicas=True).")
+            "plan.replicas[0] replicates experts; pass expert_permutation(plan, "
+            "allow_replicas=True) for the replicated layout")
     return perm
+
+
+def logical_slots(perm: Sequence[int], num_experts: int) -> np.ndarray:
+    """int32[E]: the first physical slot of each logical expert in ``perm`` int[P]."""
+    perm = np.asarray(perm)
+    return np.asarray([np.flatnonzero(perm == e)[0] for e in range(num_experts)], np.int32)
 
 
 def inverse_permutation(perm: Sequence[int]) -> np.ndarray:
@@ -119,14 +180,24 @@ def inverse_permutation(perm: Sequence[int]) -> np.ndarray:
 
 
 def layout_experts(params: MoEParams, perm: Sequence[int], *, inverse: bool = False) -> MoEParams:
-    """Expert weights [E, ...] from logical to physical order (``inverse``: back).
+    """Expert weights from logical [E, ...] to physical [P, ...] order (``inverse``: back).
 
-    Physical slot p holds logical expert ``perm[p]``; the router and shared experts
-    are unchanged (routing stays logical; the EP forward maps ids to slots).
+    Physical slot p holds logical expert ``perm[p]`` (``EMPTY_SLOT``: zeros); back to
+    logical order, a replicated expert is read from its first slot. The router and
+    shared experts are unchanged (routing stays logical; the EP forward maps ids to
+    slots).
     """
-    index = inverse_permutation(perm) if inverse else np.asarray(perm, dtype=np.int32)
-    changes = {
-        name: None if getattr(params, name) is None else getattr(params, name)[index]
-        for name in _EXPERT_FIELDS
-    }
-    return params.replace(**changes)
+    perm = np.asarray(perm, dtype=np.int32)
+
+    def move(w):
+        if w is None:
+            return None
+        if inverse:
+            return w[logical_slots(perm, int(perm.max()) + 1)]
+        out = w[np.maximum(perm, 0)]
+        empty = perm == EMPTY_SLOT
+        if empty.any():
+            out = out * (~empty).astype(out.dtype).reshape((-1,) + (1,) * (out.ndim - 1))
+        return out
+
+    return params.replace(**{name: move(getattr(params, name)) for name in _EXPERT_FIELDS})

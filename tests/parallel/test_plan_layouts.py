@@ -1,0 +1,133 @@
+"""Plans the planner really produces, carried out by the EP layer on 8 CPU devices:
+unequal experts per device (empty slots), groups that span nodes ((node, local) mesh and
+the hierarchical exchange), and ``aristax.MoE(plan=...)``; each against the
+single-device ``aristax.moe.moe`` with the logical weights."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from aristax import MoE, MoEConfig, moe
+from aristax.parallel import (
+    EMPTY_SLOT, HIERARCHICAL_AXES, expert_parallel_moe, expert_parallel_options,
+    expert_permutation, layout_experts, mesh_from_plan)
+from aristax.planner import ModelSpec, make_plan
+from aristax.planner.topology import two_level, uniform
+from test_expert_parallel import D, F, T, make_params, value_and_grads
+
+GROUPS_2X4 = [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def skewed_plan(num_experts=8):
+    load = tuple(float(v) for v in np.geomspace(1.0, 40.0, num_experts))
+    return make_plan(uniform(8), ModelSpec(num_experts=num_experts, expert_load=load, top_k=2),
+                     groups=GROUPS_2X4)
+
+
+def two_nodes():
+    return two_level(2, 4, intra_alpha=1e-6, intra_beta=1e-11, inter_alpha=1e-5,
+                     inter_beta=1e-10, flops=1e12, expert_capacity=8, name="2x4")
+
+
+def assert_matches_single_device(ep, cfg, params, perm, seed=3):
+    x = jax.random.normal(jax.random.key(seed), (T, D))
+    ct = jax.random.normal(jax.random.key(seed + 1), (T, D))
+    (y, aux), (gx, gp) = value_and_grads(ep, x, layout_experts(params, perm), ct)
+    (y_r, aux_r), (rx, rp) = value_and_grads(lambda x, p: moe(x, p, cfg), x, params, ct)
+    tol = dict(atol=3e-5, rtol=3e-5)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_r), **tol)
+    for k in ("loss", "lb_loss", "z_loss", "expert_load"):
+        np.testing.assert_allclose(np.asarray(aux[k]), np.asarray(aux_r[k]), rtol=1e-5, err_msg=k)
+    assert int(aux["num_overflow"]) == 0
+    np.testing.assert_allclose(np.asarray(gx), np.asarray(rx), **tol)
+    phys = np.asarray(perm)
+    for name in ("up_edf", "gate_edf", "down_efd"):
+        g = np.asarray(getattr(gp, name))
+        assert not np.any(g[phys == EMPTY_SLOT]), f"{name}: an empty slot got a gradient"
+        summed = np.stack([g[phys == e].sum(axis=0) for e in range(cfg.num_experts)])
+        np.testing.assert_allclose(summed, np.asarray(getattr(rp, name)), err_msg=name, **tol)
+
+
+def test_skewed_plan_pads_devices_with_empty_slots():
+    plan = skewed_plan()
+    counts = [len(s) for s in plan.replicas[0]]
+    assert len(set(counts)) > 1, f"the planner gave equal counts {counts}; pick a skewed load"
+    perm = expert_permutation(plan)
+    width = max(counts)
+    assert perm.shape == (4 * width,)
+    for i, slots in enumerate(plan.replicas[0]):
+        block = perm[i * width:(i + 1) * width].tolist()
+        assert block == list(slots) + [EMPTY_SLOT] * (width - len(slots))
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 4.0])
+def test_skewed_plan_equals_single_device(capacity_factor):
+    plan = skewed_plan()
+    cfg = MoEConfig(num_experts=8, top_k=2, d_model=D, d_ff=F, capacity_factor=capacity_factor)
+    mesh = mesh_from_plan(plan, num_experts=8)
+    options = expert_parallel_options(plan, mesh, platform="cpu")
+    assert options["backend"] == "padded" and options["expert_axis"] == "expert"
+    assert EMPTY_SLOT in options["expert_perm"]
+    params = make_params(cfg)
+    # capacity 4.0*Tl*K/E per source shard never binds here, so EP equals the whole batch
+    assert_matches_single_device(lambda x, p: expert_parallel_moe(x, p, cfg, mesh, **options),
+                                 cfg, params, options["expert_perm"])
+
+
+def test_layout_round_trip_with_empty_slots():
+    cfg = MoEConfig(num_experts=8, top_k=2, d_model=D, d_ff=F)
+    params = make_params(cfg)
+    perm = expert_permutation(skewed_plan())
+    phys = layout_experts(params, perm)
+    assert not np.any(np.asarray(phys.up_edf)[perm == EMPTY_SLOT])
+    back = layout_experts(phys, perm, inverse=True)
+    np.testing.assert_array_equal(np.asarray(back.down_efd), np.asarray(params.down_efd))
+
+
+def test_groups_spanning_nodes_get_a_node_local_mesh_and_hierarchical_exchange():
+    topo = two_nodes()
+    plan = make_plan(topo, ModelSpec(num_experts=8, top_k=2), groups=[list(range(8))])
+    mesh = mesh_from_plan(plan, topology=topo)
+    assert mesh.axis_names == HIERARCHICAL_AXES and mesh.devices.shape == (1, 2, 4)
+    assert [d.id for d in mesh.devices[0, 1]] == [jax.devices()[i].id for i in range(4, 8)]
+    options = expert_parallel_options(plan, mesh)
+    assert options["backend"] == "hierarchical" and options["expert_axis"] == ("node", "local")
+    cfg = MoEConfig(num_experts=8, top_k=2, d_model=D, d_ff=F)
+    perm = options["expert_perm"] or tuple(range(8))
+    assert_matches_single_device(lambda x, p: expert_parallel_moe(x, p, cfg, mesh, **options),
+                                 cfg, make_params(cfg), perm)
+    flat = mesh_from_plan(plan, topology=topo, hierarchical=False)
+    assert flat.axis_names == ("data", "expert")
+
+
+def test_mesh_from_plan_rejects_groups_that_interleave_nodes():
+    topo = two_nodes()
+    plan = make_plan(topo, ModelSpec(num_experts=8), groups=[[0, 1, 2, 4], [3, 5, 6, 7]])  # 3 + 1
+    with pytest.raises(ValueError, match="hierarchical=False"):
+        mesh_from_plan(plan, topology=topo)
+    with pytest.raises(ValueError, match="topology="):
+        mesh_from_plan(plan, hierarchical=True)
+
+
+def test_moe_module_carries_out_a_skewed_plan():
+    plan = skewed_plan()
+    mesh = mesh_from_plan(plan)
+    cfg = MoEConfig(num_experts=8, top_k=2, d_model=D, d_ff=F)
+    single = MoE(cfg, rngs=nnx.Rngs(0))
+    layer = MoE(cfg, rngs=nnx.Rngs(0), mesh=mesh, plan=plan)
+    perm = dict(layer.ep_options)["expert_perm"]
+    assert layer.experts.up_edf[...].shape[0] == len(perm) > cfg.num_experts
+    for name in ("up_edf", "gate_edf", "down_efd"):  # checkpoints see the logical order
+        np.testing.assert_array_equal(np.asarray(getattr(layer.logical_params(), name)),
+                                      np.asarray(getattr(single.params(), name)))
+    x = jax.random.normal(jax.random.key(5), (4, T // 4, D))
+    y, aux = nnx.jit(lambda m, x: m(x))(layer, x)
+    y_r, aux_r = single(x)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_r), atol=3e-5, rtol=3e-5)
+    np.testing.assert_allclose(np.asarray(aux["expert_load"]), np.asarray(aux_r["expert_load"]))
+    with pytest.raises(ValueError, match="needs mesh="):
+        MoE(cfg, rngs=nnx.Rngs(0), plan=plan)
