@@ -75,6 +75,7 @@ def ragged_args(
     axis_name: str,
     buffer_size: int,
     reverse: bool = False,
+    recv_sizes: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Arguments of ``jax.lax.ragged_all_to_all`` for ``exchange`` (one slice per peer).
 
@@ -83,14 +84,18 @@ def ragged_args(
     each source i. Reverse: send the rows of source i back from ``i * B`` (sizes
     ``recv_sizes``) to source i's ``input_offsets_i[me]``.
 
-    Args: int32[G] each, the sender's layout (``send_sizes[j] <= B``).
+    Args: int32[G] each, the sender's layout (``send_sizes[j] <= B``);
+      ``recv_sizes`` (optional): int32[G] rows from each source when the caller
+      already has them, which saves one small all_to_all.
     Returns:
       (input_offsets, send_sizes, output_offsets, recv_sizes), int32[G] each, in the
       order ``jax.lax.ragged_all_to_all`` takes them.
     """
     G = send_sizes.shape[0]
     me = jax.lax.axis_index(axis_name).astype(jnp.int32)
-    recv_sizes = all_to_all_vector(send_sizes, axis_name)
+    if recv_sizes is None:
+        recv_sizes = all_to_all_vector(send_sizes, axis_name)
+    recv_sizes = recv_sizes.astype(jnp.int32)
     if not reverse:
         return input_offsets, send_sizes, jnp.full((G,), me * buffer_size, jnp.int32), recv_sizes
     blocks = jnp.arange(G, dtype=jnp.int32) * buffer_size
@@ -255,6 +260,7 @@ def exchange(
     reverse: bool = False,
     num_rows: int | None = None,
     schedule: Rounds | None = None,
+    recv_sizes: jax.Array | None = None,
 ) -> jax.Array:
     """Send row blocks to the devices of ``axis_name`` (or, ``reverse``, bring them back).
 
@@ -275,6 +281,8 @@ def exchange(
       schedule: "scheduled" backend only: rounds of (src, dst) pairs (e.g.
         ``rounds_from_schedule(plan.schedules[g])``), completed by ``complete_rounds``;
         None: shift rounds. Same value for both trips.
+      recv_sizes: ragged backends: int32[G] rows received from each source when the
+        caller knows them (the exchange then skips the collective that finds them).
     Returns:
       forward: [G*B, ...]; reverse: [N, ...] (see the module docstring).
     """
@@ -295,7 +303,7 @@ def exchange(
                        rounds=rounds, hierarchical=backend == "hierarchical")
     G = send_sizes.shape[0]
     args = ragged_args(input_offsets, send_sizes, axis_name=axis_name,
-                       buffer_size=buffer_size, reverse=reverse)
+                       buffer_size=buffer_size, reverse=reverse, recv_sizes=recv_sizes)
     out_rows = num_rows if reverse else G * buffer_size
     output = jnp.zeros((out_rows,) + x.shape[1:], x.dtype)
     if backend == "ragged":

@@ -187,7 +187,8 @@ def _exchange_experts(xc, dispatch, weights, params, config, *, G, B, expert_axi
     M = rows.shape[0]
     offsets, sizes, sent_counts = send_layout(dispatch.group_sizes, G, B)
     recv_counts = jax.lax.all_to_all(sent_counts, expert_axis, 0, 0, tiled=True)
-    trip = dict(axis_name=expert_axis, buffer_size=B, backend=backend, schedule=schedule)
+    trip = dict(axis_name=expert_axis, buffer_size=B, backend=backend, schedule=schedule,
+                recv_sizes=jnp.sum(recv_counts, axis=1, dtype=jnp.int32))
     recv = exchange(rows, offsets, sizes, **trip)
     out = local_experts(recv, recv_counts, params, config, B).astype(xc.dtype)
     back = exchange(out, offsets, sizes, reverse=True, num_rows=M, **trip)
