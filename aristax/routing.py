@@ -162,16 +162,28 @@ def route(
     )
 
 
-def load_balancing_loss(routing: Routing) -> jax.Array:
+def load_balancing_loss(routing: Routing, row_weights: jax.Array | None = None) -> jax.Array:
     """Switch Transformer eq. 4: E * sum_e f_e * P_e.
 
     f_e = (assignments to e) / T, counted over all K slots (so a perfectly balanced
     top-k router scores K, as in Hugging Face's ``load_balancing_loss_func``), and
     P_e = mean router probability of e. Gradients flow through P only.
+
+    ``row_weights`` [T] (e.g. an attention mask): both means become weighted means,
+    so padding rows (weight 0) count for nothing, as in Hugging Face.
     """
     T, E = routing.probs.shape
-    f = routing.expert_load().astype(routing.probs.dtype) / T
-    P = jnp.mean(routing.probs, axis=0)
+    dtype = routing.probs.dtype
+    if row_weights is None:
+        f = routing.expert_load().astype(dtype) / T
+        P = jnp.mean(routing.probs, axis=0)
+    else:
+        w = row_weights.astype(dtype)
+        onehot = jax.nn.one_hot(routing.expert_ids, E, dtype=dtype)  # [T, K, E]
+        assigned = jnp.sum(onehot * routing.mask[..., None].astype(dtype), axis=1)
+        total = jnp.sum(w)
+        f = jnp.sum(assigned * w[:, None], axis=0) / total
+        P = jnp.sum(routing.probs * w[:, None], axis=0) / total
     return E * jnp.sum(f * P)
 
 

@@ -29,6 +29,8 @@ import numpy as np
 from flax import nnx
 
 from aristax import MoE, MoEConfig
+from aristax import routing as routing_lib
+from aristax.config import RouterConfig
 from aristax.models import sparse_moe
 
 _FIELDS_HF_ONLY = ("dtype",)
@@ -262,17 +264,11 @@ def load_balancing_loss(
     logits = jnp.concatenate(
         [lg.reshape(-1, num_experts).astype(jnp.float32) for lg in router_logits], axis=0
     )  # [N*T, E]
-    probs = jax.nn.softmax(logits, axis=-1)
-    _, ids = jax.lax.top_k(probs, top_k)
-    assigned = jnp.sum(jax.nn.one_hot(ids, num_experts, dtype=jnp.float32), axis=1)
-    if attention_mask is None:
-        rows = jnp.ones((logits.shape[0],), jnp.float32)
-    else:
-        rows = jnp.tile(attention_mask.reshape(-1).astype(jnp.float32), len(router_logits))
-    total = jnp.sum(rows)
-    tokens_per_expert = jnp.sum(assigned * rows[:, None], axis=0) / total
-    prob_per_expert = jnp.sum(probs * rows[:, None], axis=0) / total
-    return jnp.sum(tokens_per_expert * prob_per_expert) * num_experts
+    rows = None
+    if attention_mask is not None:
+        rows = jnp.tile(attention_mask.reshape(-1), len(router_logits))
+    routing = routing_lib.route(logits, RouterConfig(num_experts=num_experts, top_k=top_k))
+    return routing_lib.load_balancing_loss(routing, rows)
 
 
 # --------------------------------------------------------------------- cache / outputs
