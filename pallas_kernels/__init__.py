@@ -4,6 +4,8 @@ Every op takes ``implementation=`` (a backend name or an ordered list); the defa
 runs everywhere and falls back to the plain jnp/lax reference.
 """
 
+from aristax.pallas_kernels.permute import combine, permute
 from aristax.pallas_kernels.ragged_dot import ragged_dot
+from aristax.pallas_kernels.route import RouteOutput, route
 
-__all__ = ["ragged_dot"]
+__all__ = ["RouteOutput", "combine", "permute", "ragged_dot", "route"]

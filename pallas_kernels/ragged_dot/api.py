@@ -1,33 +1,58 @@
-"""The front door of the grouped GEMM: validation and backend choice.
+"""The front door of the grouped GEMM: validation, backend choice, and the custom_vjp.
 
-Backends are tried in order; one that cannot serve a call raises
-``NotImplementedError`` and the next is tried. The reference always serves.
+Letters: M rows, K contraction, N output columns, G groups.
+
+A backend is a module in this folder with
+  ``check(lhs, rhs, group_sizes, out_dtype, *, interpret)``: raise
+      NotImplementedError with the reason when it cannot serve lhs[M, K] @ rhs[G, K, N]
+      (forward and backward) in that mode;
+  ``gmm(lhs[M, K], rhs[G, K, N], group_sizes, *, out_dtype, tiles, interpret)``
+      -> [M, N]: out[m] = lhs[m] @ rhs[group of m], zeros past sum(group_sizes);
+  ``tgmm(lhs[M, K], dout[M, N], group_sizes, *, out_dtype, tiles, interpret)``
+      -> [G, K, N]: out[g] = lhs[rows of g]^T @ dout[rows of g];
+and one frozen tiles dataclass (forward and backward fields). Backends are tried in
+order (``aristax.pallas_kernels.frontdoor``); the first whose ``check`` passes serves.
+
+The gradient of a Pallas backend is this file's ``custom_vjp``, the same for every
+backend: for out = ragged_dot(lhs, rhs),
+  dlhs = gmm(dout, rhs^T)   (rhs^T = swapaxes(rhs, 1, 2): [G, N, K])
+  drhs = tgmm(lhs, dout)
+with dout cast to the input dtype and float32 accumulation; group_sizes gets none.
+Each of the two falls back to the reference when the backend's ``check`` refuses it.
+"reference" itself is ``jax.lax.ragged_dot`` under plain JAX autodiff: the oracle.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+import importlib
+from collections.abc import Mapping, Sequence
+from types import ModuleType
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from aristax.pallas_kernels.ragged_dot import reference
+from aristax.pallas_kernels import frontdoor
 
-BACKENDS: dict[str, Callable[..., jax.Array]] = {"reference": reference.ragged_dot}
-DEFAULT_ORDER: tuple[str, ...] = ("reference",)
+OP = "ragged_dot"
+# Registering a backend module of this folder is adding its name here.
+REGISTERED: tuple[str, ...] = ("reference", "triton", "mosaic_gpu")
+BACKENDS: dict[str, ModuleType] = {
+    name: importlib.import_module(f"{__package__}.{name}") for name in REGISTERED
+}
+# Preferred order per ``jax.default_backend()``; names not registered are skipped.
+PREFERRED: dict[str, tuple[str, ...]] = {
+    "gpu": ("mosaic_gpu", "triton", "reference"),
+    "cuda": ("mosaic_gpu", "triton", "reference"),
+    "cpu": ("reference",),
+}
 
 
-def _candidates(implementation: str | Sequence[str] | None) -> tuple[str, ...]:
-    names = DEFAULT_ORDER if implementation is None else (
-        (implementation,) if isinstance(implementation, str) else tuple(implementation)
-    )
-    unknown = [n for n in names if n not in BACKENDS]
-    if unknown or not names:
-        raise ValueError(
-            f"implementation={implementation!r} is invalid: use None or names from "
-            f"{sorted(BACKENDS)}"
-        )
-    return names
+def default_order() -> dict[str, tuple[str, ...]]:
+    """``PREFERRED`` restricted to the registered backends."""
+    return {platform: tuple(n for n in names if n in BACKENDS)
+            for platform, names in PREFERRED.items()}
 
 
 def _validate(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> None:
@@ -46,6 +71,54 @@ def _validate(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> None:
         )
 
 
+def _choose(names: Sequence[str], lhs, rhs, group_sizes, out_dtype, interpret) -> str:
+    """The first of ``names`` whose ``check`` accepts lhs[M, K] @ rhs[G, K, N]."""
+    def accepts(name):
+        def check(*args):
+            BACKENDS[name].check(*args, interpret=interpret)
+            return name
+        return check
+    return frontdoor.call_first(OP, {n: accepts(n) for n in names}, names,
+                                lhs, rhs, group_sizes, out_dtype)
+
+
+def _tiles_for(tiles: Any, name: str) -> Any:
+    """A mapping {backend name: tiles} gives that backend's entry; anything else is
+    passed as is."""
+    return tiles.get(name) if isinstance(tiles, Mapping) else tiles
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _kernel_ragged_dot(lhs, rhs, group_sizes, name, out_dtype, interpret, tiles):
+    """lhs[M, K], rhs[G, K, N] -> [M, N] by backend ``name``'s gmm."""
+    return BACKENDS[name].gmm(lhs, rhs, group_sizes, out_dtype=out_dtype, tiles=tiles,
+                              interpret=interpret)
+
+
+def _kernel_ragged_dot_fwd(lhs, rhs, group_sizes, name, out_dtype, interpret, tiles):
+    out = _kernel_ragged_dot(lhs, rhs, group_sizes, name, out_dtype, interpret, tiles)
+    return out, (lhs, rhs, group_sizes)
+
+
+def _kernel_ragged_dot_bwd(name, out_dtype, interpret, tiles, residuals, dout):
+    """dlhs[M, K] = gmm(dout, rhs^T), drhs[G, K, N] = tgmm(lhs, dout); none for sizes."""
+    del out_dtype
+    lhs, rhs, group_sizes = residuals
+    dout = dout.astype(lhs.dtype)
+    rhs_t = jnp.swapaxes(rhs, 1, 2)
+    names = (name, "reference")
+    dlhs_name = _choose(names, dout, rhs_t, group_sizes, lhs.dtype, interpret)
+    drhs_name = _choose(names, lhs, rhs, group_sizes, rhs.dtype, interpret)
+    dlhs = BACKENDS[dlhs_name].gmm(dout, rhs_t, group_sizes, out_dtype=lhs.dtype,
+                                   tiles=tiles, interpret=interpret)
+    drhs = BACKENDS[drhs_name].tgmm(lhs, dout, group_sizes, out_dtype=rhs.dtype,
+                                    tiles=tiles, interpret=interpret)
+    return dlhs, drhs, None
+
+
+_kernel_ragged_dot.defvjp(_kernel_ragged_dot_fwd, _kernel_ragged_dot_bwd)
+
+
 def ragged_dot(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -53,6 +126,8 @@ def ragged_dot(
     *,
     preferred_element_type=None,
     implementation: str | Sequence[str] | None = None,
+    interpret: bool | None = None,
+    tiles: Any = None,
 ) -> jax.Array:
     """Grouped GEMM: out[m] = lhs[m] @ rhs[group of row m].
 
@@ -60,21 +135,25 @@ def ragged_dot(
       lhs: [M, K], rows grouped consecutively. rhs: [G, K, N].
       group_sizes: int32[G] rows per group (sum <= M; later rows give zeros).
       preferred_element_type: accumulation/output dtype (e.g. float32 for bf16 inputs).
-      implementation: backend name or ordered list of names; None = the best
-        available for the platform, falling back to "reference".
+      implementation: backend name or ordered list of names from ``BACKENDS``; None =
+        the best available for the platform (``PREFERRED``), ending in "reference".
+        A backend that cannot serve the call is skipped for the next.
+      interpret: run Pallas backends in interpret mode; None = iff the default JAX
+        backend is the CPU (pass False to lower for GPU, e.g. under ``jax.export``).
+      tiles: tile sizes of the serving backend (e.g. ``triton.TritonTiles``), or a
+        mapping {backend name: tiles}; None = each backend's shape heuristic.
     Returns:
-      [M, N].
+      [M, N] in ``preferred_element_type`` (default: the promoted input dtype).
     """
     _validate(lhs, rhs, group_sizes)
-    for name in _candidates(implementation):
-        try:
-            return BACKENDS[name](
-                lhs, rhs, group_sizes.astype(jnp.int32),
-                preferred_element_type=preferred_element_type,
-            )
-        except NotImplementedError:
-            continue
-    raise NotImplementedError(
-        f"no backend in implementation={implementation!r} serves lhs {lhs.dtype}"
-        f"{list(lhs.shape)}, rhs {rhs.dtype}{list(rhs.shape)}; add 'reference'"
-    )
+    group_sizes = group_sizes.astype(jnp.int32)
+    out_dtype = jnp.dtype(preferred_element_type if preferred_element_type is not None
+                          else jnp.promote_types(lhs.dtype, rhs.dtype))
+    names = frontdoor.candidates(OP, BACKENDS, default_order(), implementation)
+    interpret = frontdoor.resolve_interpret(interpret)
+    name = _choose(names, lhs, rhs, group_sizes, out_dtype, interpret)
+    if name == "reference":
+        return BACKENDS["reference"].ragged_dot(
+            lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
+    return _kernel_ragged_dot(lhs, rhs, group_sizes, name, out_dtype, interpret,
+                              _tiles_for(tiles, name))

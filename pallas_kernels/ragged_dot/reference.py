@@ -1,8 +1,25 @@
-"""Reference grouped GEMM: ``jax.lax.ragged_dot``. The test oracle and the default."""
+"""Reference grouped GEMM on ``jax.lax``: the test oracle and the fallback everywhere.
+
+Follows the backend interface of ``api.py`` (``check``, ``gmm``, ``tgmm``) and also
+keeps ``ragged_dot``, which the front door calls for "reference" so that gradients
+come from plain JAX autodiff of ``jax.lax.ragged_dot`` (the oracle the Pallas
+backends' ``custom_vjp`` is tested against).
+
+Letters: M rows, K contraction, N output columns, G groups.
+"""
 
 from __future__ import annotations
 
+import functools
+
 import jax
+from jax.sharding import AxisType, PartitionSpec as P
+
+
+def check(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_dtype, *,
+          interpret: bool = False) -> None:
+    """The reference serves every call the front door validated."""
+    del lhs, rhs, group_sizes, out_dtype, interpret
 
 
 def ragged_dot(
@@ -19,7 +36,58 @@ def ragged_dot(
         sum produce zeros.
     Returns:
       [M, N] in ``preferred_element_type`` (default: the result type of lhs, rhs).
+
+    Inputs typed on a mesh with Explicit axes (e.g. made under ``jax.set_mesh``):
+    jax 0.10 has no sharding rule for ``ragged_dot_general`` (NotImplementedError,
+    also in its transpose), so the op runs with those axes made Auto
+    (``jax.sharding.auto_axes``); the result keeps lhs's row sharding.
     """
-    return jax.lax.ragged_dot(
-        lhs, rhs, group_sizes, preferred_element_type=preferred_element_type
+    op = functools.partial(jax.lax.ragged_dot, preferred_element_type=preferred_element_type)
+    mesh = _explicit_mesh(lhs, rhs, group_sizes)
+    if mesh is None:
+        return op(lhs, rhs, group_sizes)
+    explicit = tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types)
+                     if t == AxisType.Explicit)
+    lhs_sharding = jax.typeof(lhs).sharding
+    row = lhs_sharding.spec[0] if not lhs_sharding.mesh.empty and lhs_sharding.spec else None
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.sharding.auto_axes(op, axes=explicit, out_sharding=P(row, None))(
+            lhs, rhs, group_sizes)
+
+
+def _explicit_mesh(*arrays):
+    """The abstract mesh with Explicit axes that some input is typed on, else None."""
+    for a in arrays:
+        mesh = jax.typeof(a).sharding.mesh
+        if not mesh.empty and AxisType.Explicit in mesh.axis_types:
+            return mesh
+    return None
+
+
+def gmm(lhs, rhs, group_sizes, *, out_dtype, tiles=None, interpret=False) -> jax.Array:
+    """Backend-interface grouped GEMM: lhs[M, K], rhs[G, K, N] -> [M, N] in out_dtype.
+
+    ``tiles`` and ``interpret`` are accepted for the interface and ignored.
+    """
+    del tiles, interpret
+    return ragged_dot(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
+
+
+def tgmm(lhs, dout, group_sizes, *, out_dtype, tiles=None, interpret=False) -> jax.Array:
+    """Transposed grouped GEMM: out[g] = lhs[rows of g]^T @ dout[rows of g].
+
+    Args:
+      lhs: [M, K]. dout: [M, N]. group_sizes: int32[G] (rows past the sum are
+        ignored; empty groups give zeros).
+    Returns:
+      [G, K, N] in ``out_dtype``.
+    """
+    del tiles, interpret
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([0], [0]), ([], [])),
+        lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=[],
+    )
+    return jax.lax.ragged_dot_general(
+        lhs, dout, group_sizes, dims, preferred_element_type=out_dtype
     )

@@ -6,7 +6,6 @@ single-device ``aristax.moe.moe`` with the logical weights."""
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx

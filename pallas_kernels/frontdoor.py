@@ -1,0 +1,70 @@
+"""The one backend-choice rule shared by every op's ``api.py``.
+
+An op has a registry ``{name: callable}`` and a default order per platform. A call
+names a backend, an ordered list of backends, or None (the platform default, always
+ending in "reference"). Backends are tried in order; one that cannot serve a call
+raises ``NotImplementedError`` with its reason and the next is tried. When none serves,
+the error lists every backend's reason, so a failing reference is never hidden.
+
+Pallas backends run compiled on GPU and in interpret mode on CPU: ``interpret=None``
+means "interpret iff the default backend is the CPU"; ``jax.export(...,
+platforms=["cuda"])`` on a CPU machine passes ``interpret=False`` to lower the real
+kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+
+Implementation = str | Sequence[str] | None
+
+
+def candidates(
+    op: str,
+    registry: Mapping[str, Callable[..., Any]],
+    default_order: Mapping[str, Sequence[str]],
+    implementation: Implementation,
+) -> tuple[str, ...]:
+    """The backend names to try, in order, validated against ``registry``."""
+    if implementation is None:
+        names = tuple(default_order.get(jax.default_backend(), ("reference",)))
+    elif isinstance(implementation, str):
+        names = (implementation,)
+    else:
+        names = tuple(implementation)
+    unknown = [n for n in names if n not in registry]
+    if unknown or not names:
+        raise ValueError(
+            f"{op}: implementation={implementation!r} is invalid; use None, a name, or "
+            f"an ordered list of names from {sorted(registry)}"
+        )
+    return names
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+    """``interpret=None`` -> interpret mode iff JAX's default backend is the CPU."""
+    return jax.default_backend() == "cpu" if interpret is None else bool(interpret)
+
+
+def call_first(
+    op: str,
+    registry: Mapping[str, Callable[..., Any]],
+    names: Sequence[str],
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """Call ``registry[name](*args, **kwargs)`` for the first name that serves."""
+    reasons = []
+    for name in names:
+        try:
+            return registry[name](*args, **kwargs)
+        except NotImplementedError as err:
+            reasons.append(f"{name}: {err}")
+    raise NotImplementedError(
+        f"{op}: no backend in {list(names)} serves this call ("
+        + "; ".join(reasons)
+        + "); add 'reference' to the list or change the inputs"
+    )

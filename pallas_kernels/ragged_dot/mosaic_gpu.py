@@ -1,0 +1,629 @@
+"""Grouped GEMM on Hopper: Pallas Mosaic GPU kernels (TMA loads, wgmma, K pipeline).
+
+Two kernels share the interface of every ragged_dot backend (letters: M rows, K and
+N feature dims, G groups; rows are grouped consecutively by ``group_sizes``):
+
+- ``gmm(lhs[M,K], rhs[G,K,N], group_sizes[G]) -> out[M,N]``,
+  ``out[m] = lhs[m] @ rhs[group of m]``; rows at or past ``sum(group_sizes)`` are 0.
+- ``tgmm(lhs[M,K], dout[M,N], group_sizes[G]) -> out[G,K,N]``,
+  ``out[g] = lhs[rows of g]^T @ dout[rows of g]``; empty groups give 0.
+  (The backward: ``drhs = tgmm(lhs, dout)``, ``dlhs = gmm(dout, rhs^T)``.)
+
+Algorithm (the one of JAX's ``ops/gpu/ragged_dot_mgpu.py`` and
+``transposed_ragged_dot_mgpu.py``, written anew around our interface):
+
+- gmm: row tiles of ``block_m`` are aligned to the row grid, not to groups, so a
+  tile that straddles a group boundary is computed once per group it touches. A
+  schedule computed before the kernel (``row_tile_schedule``) lists, per tile, its
+  group, row block and the row range ``[lo, hi)`` it owns; the trailing rows past
+  ``sum(group_sizes)`` form one more pseudo-group whose tiles store zeros without a
+  matmul. Each tile runs a pipelined K loop (``plgpu.emit_pipeline``: TMA
+  GMEM->SMEM copies ``max_concurrent_steps`` deep, one async wgmma per step, f32
+  accumulator), then stores only rows ``[lo, hi)`` with a ladder of power-of-two
+  TMA stores (TMA boxes have static shapes; a dynamic row count is a sum of
+  powers of two), so tiles of neighbouring groups never write each other's rows.
+- tgmm: one output tile ``[block_k, block_n]`` of one group per step of a
+  persistent loop; a pipelined loop over the group's row blocks feeds
+  ``wgmma(acc, lhs_tile^T, dout_tile)``. Row blocks on a group boundary are masked
+  in SMEM (rows outside the group set to 0 in both operands, by select, so
+  non-finite values of other groups never leak in) before the wgmma.
+
+Both kernels are persistent: ``grid=(number of SMs,)`` and ``plgpu.nd_loop``
+spreads the tiles over the SMs.
+
+Constraints (``check``/``check_tgmm`` raise ``NotImplementedError`` with the reason,
+so the front door falls back):
+- lhs and rhs/dout both bfloat16 or both float16. float32 is refused: wgmma would
+  run it as TF32, silently less precise than the float32 reference.
+- ``out_dtype`` float32, bfloat16 or float16 (the accumulator is always float32).
+- K and N multiples of 64 (TMA/wgmma tile alignment); M a multiple of 8 (Mosaic
+  GPU's TMA into swizzled SMEM tiles needs GMEM dims that are multiples of the
+  8-row tiling; lowering fails otherwise), else free: the last row tile may run
+  past M (TMA fills those rows with zeros and they are never stored), M < block_m
+  included.
+- Compiled (``interpret=False``): the default backend is a GPU of compute capability
+  9.x (Hopper), or the CPU, which is the cross-lowering path
+  (``jax.export(..., platforms=["cuda"])``).
+Tiles never refuse a call ``check`` accepted: ``MosaicTiles.fit`` drops a block
+that does not divide K or N to 64 and shortens a pipeline too deep for SMEM.
+
+Interpret mode (``interpret=True`` or an ``InterpretGPUParams``) runs the kernels
+on CPU in Pallas' Mosaic GPU interpreter (simulated GMEM/SMEM, barriers, TMA and
+wgmma), with its happens-before race detector on; ``races_found()`` reports it.
+Out-of-bounds TMA reads are filled with NaN there (hardware fills zeros), which is
+stricter: a NaN that reaches an output is a masking bug.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as _gpu_callbacks
+from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+ALIGN = 64  # K and N must be multiples of this (smallest block_k / block_n).
+ROW_ALIGN = 8  # M must be a multiple of this (TMA tiling of swizzled SMEM).
+H100_SMS = 132  # SM count used when lowering for CUDA on a host without a GPU.
+SMEM_BYTES = 227 * 1024  # SMEM per thread block on compute capability 9.0
+INTERPRET_PROGRAMS = 2  # persistent programs simulated in interpret mode
+_COMPILER_PARAMS = plgpu.CompilerParams(
+    lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+)
+
+
+# ---------------------------------------------------------------------------
+# Tile sizes
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicTiles:
+    """Tile sizes of the Mosaic GPU grouped GEMMs, forward and backward.
+
+    gmm (forward, and the backward's ``dlhs = gmm(dout, rhs^T)``) computes
+    ``[block_m, block_n]`` output tiles, stepping K by ``block_k``. tgmm (the
+    backward's ``drhs``) computes ``[bwd_block_k, bwd_block_n]`` tiles of one group,
+    stepping over the group's rows ``bwd_block_m`` at a time. ``*_concurrent_steps``
+    is the TMA pipeline depth (SMEM buffers in flight); with 2 or more, each wgmma
+    may stay in flight while the next step's copies land (``delay_release=1``).
+    All block sizes are multiples of 64 (one wgmma warpgroup is 64 rows).
+    """
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    max_concurrent_steps: int = 4
+    bwd_block_m: int = 64
+    bwd_block_k: int = 128
+    bwd_block_n: int = 128
+    bwd_max_concurrent_steps: int = 3
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"MosaicTiles.{f.name} must be a positive int; got {v!r}")
+            if "block" in f.name and v % ALIGN:
+                raise ValueError(f"MosaicTiles.{f.name}={v} is not a multiple of {ALIGN}")
+
+    @classmethod
+    def for_shape(cls, m: int, k: int, n: int, num_groups: int) -> MosaicTiles:
+        """A heuristic for ``lhs[m,k] @ rhs[num_groups,k,n]`` and its backward.
+
+        Row tiles of 64 when groups average under 128 rows (fewer wasted rows in
+        tiles that straddle group boundaries), else 128; column tiles of 128 where
+        128 divides N (64 otherwise); K steps of 64 (128-byte rows, the widest TMA
+        swizzle for 16-bit types). The backward picks its tile of K x N the same way
+        from K and N. Pipeline depth: 4 steps (4 x 32 KiB of operand buffers in
+        Hopper's 227 KiB of SMEM; the output tile reuses them after the K loop), never
+        more than the K steps.
+        """
+        avg_rows = m / max(num_groups, 1)
+        block_m = 64 if avg_rows < 128 else 128
+        block_n = 128 if n % 128 == 0 else ALIGN
+        block_k = ALIGN
+        steps = max(1, min(4, k // block_k))
+        return cls(
+            block_m=block_m,
+            block_n=block_n,
+            block_k=block_k,
+            max_concurrent_steps=steps,
+            bwd_block_m=64,
+            bwd_block_k=128 if k % 128 == 0 else ALIGN,
+            bwd_block_n=128 if n % 128 == 0 else ALIGN,
+            bwd_max_concurrent_steps=3,
+        )
+
+    def smem_bytes(self, in_itemsize: int, out_itemsize: int, *, bwd: bool) -> int:
+        """SMEM of one program: the pipeline's operand buffers, then (a later scope,
+        so the larger of the two counts) the output tile; plus 1 KiB for barriers."""
+        if bwd:
+            bm, bk, bn = self.bwd_block_m, self.bwd_block_k, self.bwd_block_n
+            operands = self.bwd_max_concurrent_steps * (bm * bk + bm * bn) * in_itemsize
+            return max(operands, bk * bn * out_itemsize) + 1024
+        bm, bk, bn = self.block_m, self.block_k, self.block_n
+        operands = self.max_concurrent_steps * (bm * bk + bk * bn) * in_itemsize
+        return max(operands, bm * bn * out_itemsize) + 1024
+
+    def fit(self, k: int, n: int, in_dtype, out_dtype) -> MosaicTiles:
+        """These tiles adjusted to serve K=k and N=n (multiples of 64, as ``check``
+        requires), so that a call ``check`` accepts is always served.
+
+        A block_k/block_n (either pass) that does not divide its dimension drops to
+        64; a pipeline deeper than Hopper's SMEM holds gets shallower.
+
+        Raises:
+          ValueError: the tiles overflow SMEM even with a one-step pipeline.
+        """
+        def divides(block: int, dim: int) -> int:
+            return block if dim % block == 0 else ALIGN
+
+        tiles = dataclasses.replace(
+            self, block_k=divides(self.block_k, k), block_n=divides(self.block_n, n),
+            bwd_block_k=divides(self.bwd_block_k, k),
+            bwd_block_n=divides(self.bwd_block_n, n),
+        )
+        sizes = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
+        for bwd, field in ((False, "max_concurrent_steps"), (True, "bwd_max_concurrent_steps")):
+            while tiles.smem_bytes(*sizes, bwd=bwd) > SMEM_BYTES:
+                if getattr(tiles, field) == 1:
+                    raise ValueError(f"{tiles} need {tiles.smem_bytes(*sizes, bwd=bwd)} "
+                                     f"bytes of SMEM > {SMEM_BYTES} at one pipeline step")
+                tiles = dataclasses.replace(tiles, **{field: getattr(tiles, field) - 1})
+        return tiles
+
+
+def _resolve_tiles(tiles, m: int, k: int, n: int, num_groups: int, in_dtype, out_dtype):
+    """The caller's MosaicTiles (or the heuristic's when None), fitted to K and N."""
+    if tiles is None:
+        tiles = MosaicTiles.for_shape(m, k, n, num_groups)
+    if not isinstance(tiles, MosaicTiles):
+        raise TypeError(f"mosaic_gpu: tiles must be MosaicTiles or None; got "
+                        f"{type(tiles).__name__}")
+    return tiles.fit(k, n, in_dtype, out_dtype)
+
+
+# ---------------------------------------------------------------------------
+# Interpret mode and capability checks
+# ---------------------------------------------------------------------------
+
+
+def interpret_params(*, detect_races: bool = True) -> InterpretGPUParams:
+    """The interpreter settings ``interpret=True`` stands for.
+
+    Out-of-bounds reads (a row tile running past M) give NaN instead of raising,
+    as TMA allows them (it fills zeros); uninitialized memory is NaN.
+    """
+    return InterpretGPUParams(
+        detect_races=detect_races,
+        out_of_bounds_reads="uninitialized",
+        uninitialized_memory="nan",
+    )
+
+
+def races_found() -> bool:
+    """Whether the last interpreted kernel (with race detection on) saw a data race."""
+    races = _gpu_callbacks._races
+    return bool(races is not None and races.races_found)
+
+
+def reset_interpret_state() -> None:
+    """Clear the interpreter's global state (needed after a kernel raised)."""
+    _gpu_callbacks.reset_gpu_interpret_mode_state()
+
+
+def resolve_interpret(interpret) -> bool | InterpretGPUParams:
+    """None -> interpret iff JAX's default backend is the CPU (the front door's rule)."""
+    return jax.default_backend() == "cpu" if interpret is None else interpret
+
+
+def _interpret_arg(interpret) -> InterpretGPUParams | None:
+    if isinstance(interpret, InterpretGPUParams):
+        return interpret
+    return interpret_params() if interpret else None
+
+
+def _num_programs(interpret) -> int:
+    """Persistent programs: the GPU's SM count (132, an H100, when cross-lowering)."""
+    if interpret:
+        return INTERPRET_PROGRAMS
+    if jax.default_backend() == "gpu":
+        return int(getattr(jax.devices()[0], "core_count", H100_SMS) or H100_SMS)
+    return H100_SMS
+
+
+def _platform_reason(interpret) -> str | None:
+    """Why the compiled kernel cannot run here (None when interpreting or fine)."""
+    if interpret:
+        return None
+    backend = jax.default_backend()
+    if backend == "cpu":
+        return None  # cross-lowering for CUDA with jax.export
+    if backend != "gpu":
+        return f"Mosaic GPU needs a CUDA GPU; the default backend is {backend!r}"
+    cc = str(getattr(jax.devices()[0], "compute_capability", ""))
+    if not cc.startswith("9."):
+        return f"wgmma needs compute capability 9.x (Hopper); this GPU has {cc or '?'}"
+    return None
+
+
+def _dtype_reason(a_dtype, b_dtype, out_dtype) -> str | None:
+    if a_dtype != b_dtype or jnp.dtype(a_dtype) not in INPUT_DTYPES:
+        return (f"inputs must both be bfloat16 or both float16 (float32 would run as "
+                f"TF32 on wgmma); got {a_dtype} and {b_dtype}")
+    if jnp.dtype(out_dtype) not in OUT_DTYPES:
+        return f"out_dtype must be one of {[str(d) for d in OUT_DTYPES]}; got {out_dtype}"
+    return None
+
+
+def _shape_reason(m: int, k: int, n: int, num_groups: int) -> str | None:
+    if m < 1 or num_groups < 1:
+        return f"needs M >= 1 and G >= 1; got M={m}, G={num_groups}"
+    if k % ALIGN or n % ALIGN:
+        return f"K={k} and N={n} must be multiples of {ALIGN} (TMA/wgmma tile alignment)"
+    if m % ROW_ALIGN:
+        return (f"M={m} must be a multiple of {ROW_ALIGN} (TMA into swizzled SMEM tiles "
+                f"needs GMEM dims that are multiples of the {ROW_ALIGN}-row tiling)")
+    return None
+
+
+def _raise_if(*reasons: str | None) -> None:
+    for reason in reasons:
+        if reason:
+            raise NotImplementedError(f"mosaic_gpu ragged_dot: {reason}")
+
+
+def check(lhs, rhs, group_sizes, out_dtype=None, *, interpret=False) -> None:
+    """Raise NotImplementedError (with the reason) unless gmm and its backward serve.
+
+    Args: lhs [M,K], rhs [G,K,N], group_sizes int[G]; out_dtype None = lhs.dtype.
+    The backward (tgmm on [M,K]x[M,N], gmm on [M,N]x[G,N,K]) has the same limits.
+    """
+    out_dtype = lhs.dtype if out_dtype is None else out_dtype
+    (m, k), (g, _, n) = lhs.shape, rhs.shape
+    _raise_if(
+        _dtype_reason(lhs.dtype, rhs.dtype, out_dtype),
+        _shape_reason(m, k, n, g),
+        None if group_sizes.shape == (g,) else f"group_sizes must be [{g}]",
+        _platform_reason(interpret),
+    )
+
+
+def check_tgmm(lhs, dout, group_sizes, out_dtype=None, *, interpret=False) -> None:
+    """``check`` for ``tgmm(lhs[M,K], dout[M,N], group_sizes[G])``."""
+    out_dtype = lhs.dtype if out_dtype is None else out_dtype
+    (m, k), (_, n) = lhs.shape, dout.shape
+    _raise_if(
+        _dtype_reason(lhs.dtype, dout.dtype, out_dtype),
+        _shape_reason(m, k, n, group_sizes.shape[0]),
+        _platform_reason(interpret),
+    )
+
+
+# ---------------------------------------------------------------------------
+# Schedules (plain jnp, computed before the kernels)
+# ---------------------------------------------------------------------------
+
+
+def num_row_tiles(m: int, num_groups: int, block_m: int) -> int:
+    """Upper bound on gmm tiles: each of the G+1 segments (groups + trailing rows)
+    adds at most one tile (the one it shares with the previous segment)."""
+    return pl.cdiv(m, block_m) + num_groups
+
+
+def segment_bounds(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
+    """starts, ends int32[G+1] of the G groups and the trailing-rows segment.
+
+    Cumulative ends are clipped to M (a sum past M is truncated); segment G is
+    ``[sum, M)``.
+    """
+    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), jnp.int32(m))
+    ends = jnp.maximum(ends, 0)
+    ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    return starts, ends
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def row_tile_schedule(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
+    """The gmm work list: int32[4, T] rows (group, row block, lo, hi) per tile.
+
+    Tile t computes rows ``[block*block_m + lo, block*block_m + hi)`` of group
+    ``group``; ``group == G`` marks trailing rows (stored as zeros) and ``lo == hi``
+    an unused tile. T = ``num_row_tiles(m, G, block_m)``.
+    """
+    g = group_sizes.shape[0]
+    starts, ends = segment_bounds(group_sizes, m)
+    first = starts // block_m
+    last = jnp.maximum(ends - 1, 0) // block_m
+    counts = jnp.where(ends > starts, last - first + 1, 0)
+    tile_end = jnp.cumsum(counts)
+    tile_start = tile_end - counts
+    t = jnp.arange(num_row_tiles(m, g, block_m), dtype=jnp.int32)
+    seg = jnp.searchsorted(tile_end, t, side="right").astype(jnp.int32)
+    used = seg <= g
+    seg = jnp.minimum(seg, g)
+    block = first[seg] + t - tile_start[seg]
+    row0 = block * block_m
+    lo = jnp.clip(starts[seg] - row0, 0, block_m)
+    hi = jnp.clip(ends[seg] - row0, 0, block_m)
+    zero = jnp.zeros_like(t)
+    return jnp.stack([
+        seg, jnp.where(used, block, zero), jnp.where(used, lo, zero),
+        jnp.where(used, hi, zero),
+    ]).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def group_row_blocks(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
+    """The tgmm work list: int32[4, G] rows (start, end, first row block, blocks)."""
+    starts, ends = segment_bounds(group_sizes, m)
+    starts, ends = starts[:-1], ends[:-1]
+    first = starts // block_m
+    blocks = jnp.where(ends > starts, (ends - 1) // block_m - first + 1, 0)
+    return jnp.stack([starts, ends, first, blocks]).astype(jnp.int32)
+
+
+# ---------------------------------------------------------------------------
+# Kernel pieces
+# ---------------------------------------------------------------------------
+
+
+def _delay(steps: int) -> int:
+    """Steps a wgmma may keep its SMEM slot after issue: 1 iff the pipeline has 2+."""
+    return 1 if steps > 1 else 0
+
+
+def _mma(acc_ref, a, b, steps: int) -> None:
+    """acc[bm,bn] += a[bm,bk] @ b[bk,bn] on the tensor cores (async wgmma).
+
+    With one pipeline slot the next TMA copy overwrites this step's operands, so
+    the wgmma is waited for here; otherwise the next wgmma's implicit wait covers it.
+    """
+    plgpu.wgmma(acc_ref, a, b)
+    if not _delay(steps):
+        plgpu.wgmma_wait(0)
+
+
+def _store_rows(tile, out_gmem, row0, lo, hi, col0, max_rows: int) -> None:
+    """out[row0+lo : row0+hi, col0 : col0+bn] = tile[lo:hi] via SMEM and TMA stores.
+
+    ``hi - lo`` is only known at run time, a TMA box's shape at compile time: the
+    rows go out as a ladder of power-of-two boxes (largest first), one per set bit
+    of ``hi - lo``. ``max_rows`` (<= the tile height) bounds ``hi - lo``.
+    """
+    bm, bn = tile.shape
+
+    def scope(o_smem):
+        o_smem[...] = tile
+        plgpu.commit_smem()
+        size = hi - lo
+        offset = lo
+        rows = 1 << int(math.log2(max_rows))
+        while rows >= 1:
+            this = rows
+
+            @pl.when((size & this) != 0)
+            def _():
+                plgpu.copy_smem_to_gmem(
+                    o_smem.at[pl.ds(offset, this)],
+                    out_gmem.at[pl.ds(row0 + offset, this), pl.ds(col0, bn)],
+                )
+
+            offset = offset + (size & this)
+            rows //= 2
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    pl.run_scoped(scope, plgpu.SMEM((bm, bn), out_gmem.dtype))
+
+
+def _gmm_tile(lhs_gmem, rhs_gmem, block, ni, tiles: MosaicTiles) -> jax.Array:
+    """f32[bm,bn] = lhs[block rows, :] @ rhs[:, ni cols] with a pipelined K loop."""
+    bm, bn, bk, steps = tiles.block_m, tiles.block_n, tiles.block_k, tiles.max_concurrent_steps
+    k = lhs_gmem.shape[1]
+    delay = _delay(steps)
+
+    def scope(acc_ref):
+        plgpu.emit_pipeline(
+            lambda _, a, b: _mma(acc_ref, a, b, steps),
+            grid=(k // bk,),
+            in_specs=[
+                plgpu.BlockSpec((bm, bk), lambda kk: (block, kk), delay_release=delay),
+                plgpu.BlockSpec((bk, bn), lambda kk: (kk, ni), delay_release=delay),
+            ],
+            max_concurrent_steps=steps,
+        )(lhs_gmem, rhs_gmem)
+        return acc_ref[...]
+
+    return pl.run_scoped(scope, plgpu.ACC((bm, bn), jnp.float32))
+
+
+def _gmm_body(sched_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: MosaicTiles):
+    """Persistent loop over (row tile, column tile); see ``row_tile_schedule``."""
+    m, n = out_gmem.shape
+    g = rhs_gmem.shape[0]
+    bm, bn = tiles.block_m, tiles.block_n
+    num_tiles = sched_gmem.shape[1]
+
+    @plgpu.nd_loop((num_tiles, n // bn), collective_axes="sm")
+    def _(info):
+        t, ni = info.index
+        group, block = sched_gmem[0, t], sched_gmem[1, t]
+        lo, hi = sched_gmem[2, t], sched_gmem[3, t]
+        row0, col0 = block * bm, ni * bn
+
+        @pl.when((hi > lo) & (group < g))
+        def _():
+            acc = _gmm_tile(lhs_gmem, rhs_gmem.at[group], block, ni, tiles)
+            _store_rows(acc.astype(out_gmem.dtype), out_gmem, row0, lo, hi, col0,
+                        min(bm, m))
+
+        @pl.when((hi > lo) & (group == g))
+        def _():
+            zeros = jnp.zeros((bm, bn), out_gmem.dtype)
+            _store_rows(zeros, out_gmem, row0, lo, hi, col0, min(bm, m))
+
+
+def _mask_rows(ref, row0, start, end) -> None:
+    """Zero the rows of ``ref[rows, cols]`` (global rows row0 + i) outside [start, end)."""
+    x = ref[...]
+    rows = jax.lax.broadcasted_iota(jnp.int32, x.shape, 0) + row0
+    keep = (rows >= start) & (rows < end)
+    ref[...] = jnp.where(keep, x, jnp.zeros_like(x))
+
+
+def _lhs_transposed(lhs_smem, scratch):
+    """lhs_tile^T [bk,bm] as a wgmma A operand.
+
+    Compiled: a transposed view (wgmma reads MN-major A from SMEM). The interpreter's
+    wgmma cannot apply a transposed view (jax 0.10.2: ``TransposeTransform`` has no
+    ``indices`` in ``to_range``), so there ``scratch`` (SMEM [bk,bm]) receives the
+    transpose through registers first.
+    """
+    if scratch is None:
+        return plgpu.transpose_ref(lhs_smem, (1, 0))
+    scratch[...] = lhs_smem[...].T
+    plgpu.commit_smem()
+    return scratch
+
+
+def _tgmm_tile(lhs_gmem, dout_gmem, ki, ni, group_info, tiles, interpret):
+    """f32[bk,bn] = sum over the group's row blocks of lhs_blk[:, ki]^T @ dout_blk[:, ni].
+
+    ``group_info`` = (start, end, first row block, number of row blocks) of the group.
+    """
+    start, end, first, blocks = group_info
+    bm, bk, bn = tiles.bwd_block_m, tiles.bwd_block_k, tiles.bwd_block_n
+    steps = tiles.bwd_max_concurrent_steps
+    delay = _delay(steps)
+
+    def step(idx, lhs_smem, dout_smem, acc_ref, scratch):
+        row0 = (first + idx[0]) * bm
+
+        @pl.when((row0 < start) | (row0 + bm > end))
+        def _():
+            _mask_rows(lhs_smem, row0, start, end)
+            _mask_rows(dout_smem, row0, start, end)
+            plgpu.commit_smem()
+
+        _mma(acc_ref, _lhs_transposed(lhs_smem, scratch), dout_smem, steps)
+
+    def scope(acc_ref, scratch=None):
+        @pl.when(blocks > 0)
+        def _():
+            plgpu.emit_pipeline(
+                lambda idx, a, b: step(idx, a, b, acc_ref, scratch),
+                grid=(blocks,),
+                in_specs=[
+                    plgpu.BlockSpec((bm, bk), lambda r: (first + r, ki), delay_release=delay),
+                    plgpu.BlockSpec((bm, bn), lambda r: (first + r, ni), delay_release=delay),
+                ],
+                max_concurrent_steps=steps,
+            )(lhs_gmem, dout_gmem)
+
+        return acc_ref[...]
+
+    acc_type = plgpu.ACC((bk, bn), jnp.float32)
+    if not interpret:
+        return pl.run_scoped(scope, acc_type)
+    # The interpreter allocates registers (ACC) and SMEM in separate scopes.
+    return pl.run_scoped(
+        lambda scratch: pl.run_scoped(lambda acc: scope(acc, scratch), acc_type),
+        plgpu.SMEM((bk, bm), lhs_gmem.dtype),
+    )
+
+
+def _tgmm_body(info_gmem, lhs_gmem, dout_gmem, out_gmem, *, tiles: MosaicTiles,
+               interpret):
+    """Persistent loop over (group, K tile, N tile); see ``group_row_blocks``."""
+    g, k, n = out_gmem.shape
+    bk, bn = tiles.bwd_block_k, tiles.bwd_block_n
+
+    @plgpu.nd_loop((g, k // bk, n // bn), collective_axes="sm")
+    def _(info):
+        gi, ki, ni = info.index
+        group_info = tuple(info_gmem[i, gi] for i in range(4))
+        acc = _tgmm_tile(lhs_gmem, dout_gmem, ki, ni, group_info, tiles, interpret)
+
+        def store(o_smem):
+            o_smem[...] = acc.astype(o_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(
+                o_smem, out_gmem.at[gi, pl.ds(ki * bk, bk), pl.ds(ni * bn, bn)]
+            )
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        pl.run_scoped(store, plgpu.SMEM((bk, bn), out_gmem.dtype))
+
+
+def _launch(body, out_type, interpret):
+    """A persistent Mosaic GPU kernel over ``grid=(programs,)`` named "sm"."""
+    return plgpu.kernel(
+        body,
+        out_type=out_type,
+        grid=(_num_programs(interpret),),
+        grid_names=("sm",),
+        compiler_params=_COMPILER_PARAMS,
+        interpret=_interpret_arg(interpret),
+    )
+
+
+# ---------------------------------------------------------------------------
+# Entry points
+# ---------------------------------------------------------------------------
+
+
+def gmm(lhs, rhs, group_sizes, *, out_dtype=None, tiles: MosaicTiles | None = None,
+        interpret=False) -> jax.Array:
+    """out[M,N] with out[m] = lhs[m] @ rhs[group of m] (f32 accumulation).
+
+    Args:
+      lhs: [M,K] bf16/f16, rows grouped consecutively. rhs: [G,K,N], lhs's dtype.
+      group_sizes: int[G]; rows at or past their sum give zeros.
+      out_dtype: f32, bf16 or f16 (None: lhs.dtype).
+      tiles: MosaicTiles (None: ``MosaicTiles.for_shape``), fitted to K and N by
+        ``MosaicTiles.fit``.
+      interpret: False (compiled), True (interpreter with race detection), an
+        ``InterpretGPUParams``, or None (interpret iff the default backend is CPU).
+    Raises:
+      NotImplementedError: when this backend cannot serve (see ``check``).
+    """
+    out_dtype = jnp.dtype(lhs.dtype if out_dtype is None else out_dtype)
+    interpret = resolve_interpret(interpret)
+    check(lhs, rhs, group_sizes, out_dtype, interpret=interpret)
+    (m, k), (g, _, n) = lhs.shape, rhs.shape
+    tiles = _resolve_tiles(tiles, m, k, n, g, lhs.dtype, out_dtype)
+    sched = row_tile_schedule(group_sizes, m, tiles.block_m)
+    body = functools.partial(_gmm_body, tiles=tiles)
+    out_type = jax.ShapeDtypeStruct((m, n), out_dtype)
+    return _launch(body, out_type, interpret)(sched, lhs, rhs)
+
+
+def tgmm(lhs, dout, group_sizes, *, out_dtype=None, tiles: MosaicTiles | None = None,
+         interpret=False) -> jax.Array:
+    """out[G,K,N] with out[g] = lhs[rows of g]^T @ dout[rows of g] (f32 accumulation).
+
+    Args:
+      lhs: [M,K] bf16/f16. dout: [M,N], lhs's dtype. group_sizes: int[G]; empty
+        groups give zeros, rows past the sum are ignored.
+      out_dtype, tiles, interpret: as for ``gmm`` (tiles' ``bwd_*`` fields apply).
+    Raises:
+      NotImplementedError: when this backend cannot serve (see ``check_tgmm``).
+    """
+    out_dtype = jnp.dtype(lhs.dtype if out_dtype is None else out_dtype)
+    interpret = resolve_interpret(interpret)
+    check_tgmm(lhs, dout, group_sizes, out_dtype, interpret=interpret)
+    (m, k), (_, n), g = lhs.shape, dout.shape, group_sizes.shape[0]
+    tiles = _resolve_tiles(tiles, m, k, n, g, lhs.dtype, out_dtype)
+    info = group_row_blocks(group_sizes, m, tiles.bwd_block_m)
+    body = functools.partial(_tgmm_body, tiles=tiles, interpret=bool(interpret))
+    out_type = jax.ShapeDtypeStruct((g, k, n), out_dtype)
+    return _launch(body, out_type, interpret)(info, lhs, dout)

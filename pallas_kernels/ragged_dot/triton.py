@@ -1,0 +1,336 @@
+"""Pallas Triton backend of the grouped GEMM (any GPU that Triton supports).
+
+Letters: M rows, K contraction, N output columns, G groups; group g owns the rows
+[offsets[g], offsets[g + 1]) with offsets = [0, cumsum(group_sizes)] clipped to M.
+
+gmm (out[m] = lhs[m] @ rhs[g(m)]): a grid over (schedule slots, N tiles). The schedule
+(``gmm_schedule``, computed in jnp from ``group_sizes`` inside the trace) lists, group
+by group, the row tiles of ``block_m`` rows that cover each group; a tile straddling a
+group boundary appears once per group, and each visit loads and stores only its
+group's rows (masked loads and stores). Slots after the group tiles zero the tiles
+past sum(group_sizes); the remaining slots store nothing. The schedule has the static
+length cdiv(M, block_m) + G, an upper bound on the number of tiles any group sizes
+need (consecutive groups share at most one tile).
+
+tgmm (out[g] = lhs[rows of g]^T @ dout[rows of g]): a grid over (G, K tiles, N tiles);
+each program walks its group's rows in ``block_m`` chunks (a loop with a traced trip
+count) and accumulates [block_k, block_n] in float32.
+
+Both accumulate in float32 (float32 inputs use IEEE float32 dots, not TF32) and cast
+to ``out_dtype`` at the store. Every value in the kernels is a power-of-2 tile of at
+least 16 on each side (Triton's ``tl.dot`` needs both); M, K, N need not be multiples
+of the tiles: tails are masked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+MIN_TILE = 16  # Triton's tl.dot needs every dot dimension >= 16.
+
+
+def _is_pow2(x: int) -> bool:
+    return isinstance(x, int) and x > 0 and x & (x - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelTiles:
+    """One kernel's tiles: block_m rows, block_n output columns, block_k contraction,
+    and Triton's num_warps / num_stages (software-pipelining depth)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonTiles:
+    """Tile sizes of the Triton grouped GEMM, for the forward gmm and for tgmm.
+
+    ``gmm`` serves the forward and the backward's dlhs = gmm(dout, rhs^T); ``tgmm``
+    serves drhs. Block sizes are powers of 2, at least 16. ``for_shape`` is an untuned
+    starting point, not the result of a sweep.
+
+    Attributes:
+      block_m, block_n, block_k: gmm tiles over rows, output columns, contraction.
+      num_warps, num_stages: gmm Triton launch parameters.
+      block_m_tgmm: rows reduced per tgmm loop step; block_k_tgmm, block_n_tgmm: the
+        tgmm output tile [block_k_tgmm, block_n_tgmm] of out[g].
+      num_warps_tgmm, num_stages_tgmm: tgmm Triton launch parameters.
+    """
+
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 32
+    num_warps: int = 4
+    num_stages: int = 3
+    block_m_tgmm: int = 32
+    block_k_tgmm: int = 64
+    block_n_tgmm: int = 64
+    num_warps_tgmm: int = 4
+    num_stages_tgmm: int = 3
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name.startswith("block_") and not (_is_pow2(value) and value >= MIN_TILE):
+                raise ValueError(f"TritonTiles.{field.name}={value!r} must be a power of 2 "
+                                 f">= {MIN_TILE}")
+            if field.name.startswith("num_warps") and not _is_pow2(value):
+                raise ValueError(f"TritonTiles.{field.name}={value!r} must be a power of 2")
+            if field.name.startswith("num_stages") and not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"TritonTiles.{field.name}={value!r} must be an int >= 1")
+
+    @classmethod
+    def for_shape(cls, m: int, k: int, n: int, dtype) -> TritonTiles:
+        """Heuristic tiles for lhs[M, K] @ rhs[G, K, N] in ``dtype``: 128-wide output
+        tiles and 64-deep contraction for 16-bit inputs (half for float32, whose tiles
+        take twice the shared memory), never wider than the next power of 2 of the
+        dimension (tiny problems do no dead work)."""
+        wide = jnp.dtype(dtype).itemsize <= 2
+
+        def fit(dim: int, cap: int) -> int:
+            return max(MIN_TILE, min(cap, pl.next_power_of_2(max(dim, 1))))
+
+        block_m = fit(m, 64)
+        block_n, block_k = fit(n, 128 if wide else 64), fit(k, 64 if wide else 32)
+        tgmm_k, tgmm_n = fit(k, 128 if wide else 64), fit(n, 128 if wide else 64)
+        return cls(
+            block_m=block_m, block_n=block_n, block_k=block_k,
+            num_warps=8 if block_m * block_n >= 64 * 128 else 4,
+            num_stages=3 if wide else 2,
+            block_m_tgmm=fit(m, 64 if wide else 32), block_k_tgmm=tgmm_k, block_n_tgmm=tgmm_n,
+            num_warps_tgmm=8 if tgmm_k * tgmm_n >= 128 * 128 else 4,
+            num_stages_tgmm=3 if wide else 2,
+        )
+
+    @property
+    def gmm(self) -> KernelTiles:
+        return KernelTiles(self.block_m, self.block_n, self.block_k, self.num_warps,
+                           self.num_stages)
+
+    @property
+    def tgmm(self) -> KernelTiles:
+        return KernelTiles(self.block_m_tgmm, self.block_n_tgmm, self.block_k_tgmm,
+                           self.num_warps_tgmm, self.num_stages_tgmm)
+
+
+def check(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_dtype, *,
+          interpret: bool = False) -> None:
+    """Raise NotImplementedError with the reason when this backend cannot serve.
+
+    Serves lhs[M, K] and rhs[G, K, N] (or dout[M, N] for tgmm) of one dtype among
+    bfloat16, float16, float32, with M, K, N, G >= 1 and a floating ``out_dtype``;
+    the same limits hold for the backward. ``interpret`` does not matter here.
+    """
+    del interpret
+    if lhs.dtype != rhs.dtype:
+        raise NotImplementedError(f"triton: lhs {lhs.dtype} and rhs {rhs.dtype} differ")
+    if lhs.dtype not in DTYPES:
+        raise NotImplementedError(f"triton: dtype {lhs.dtype} not in {[str(d) for d in DTYPES]}")
+    if jnp.dtype(out_dtype) not in DTYPES:
+        raise NotImplementedError(f"triton: out_dtype {jnp.dtype(out_dtype)} unsupported")
+    if 0 in lhs.shape or 0 in rhs.shape or group_sizes.shape[0] == 0:
+        raise NotImplementedError(f"triton: empty operand lhs{list(lhs.shape)}, "
+                                  f"rhs{list(rhs.shape)}, G={group_sizes.shape[0]}")
+
+
+def _resolve_tiles(tiles, m: int, k: int, n: int, dtype) -> TritonTiles:
+    """The caller's TritonTiles, or the heuristic's when None."""
+    if tiles is None:
+        return TritonTiles.for_shape(m, k, n, dtype)
+    if not isinstance(tiles, TritonTiles):
+        raise TypeError(f"triton: tiles must be TritonTiles or None; got {type(tiles).__name__}")
+    return tiles
+
+
+def group_offsets(group_sizes: jax.Array, m: int) -> jax.Array:
+    """int32[G + 1]: [0, cumsum(max(group_sizes, 0))] clipped to M (so the kernels
+    never address rows past M, whatever the sizes)."""
+    ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0),
+                                  dtype=jnp.int32), m)
+    return jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
+
+
+# Rows of the gmm schedule.
+GROUP, TILE, ROW_LO, ROW_HI, ZERO_FROM = range(5)
+
+
+def gmm_schedule(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
+    """The gmm tile schedule: int32[5, cdiv(M, block_m) + G].
+
+    Column t is one grid slot: (group, row tile, row_lo, row_hi, zero_from). The slot
+    multiplies rows [row_lo, row_hi) of tile ``tile`` by rhs[group] and stores them,
+    and stores zeros to that tile's rows >= zero_from. Slots, in order: every
+    nonempty group's covering tiles; then the tiles wholly past sum(group_sizes)
+    (row_lo = row_hi = 0, zero_from = sum); then idle slots (zero_from = M).
+    """
+    num_groups = group_sizes.shape[0]
+    num_tiles = pl.cdiv(m, block_m)
+    offsets = group_offsets(group_sizes, m)
+    starts, ends, total = offsets[:-1], offsets[1:], offsets[-1]
+    first = starts // block_m
+    count = jnp.where(ends > starts, (ends - 1) // block_m - first + 1, 0)
+    cum = jnp.cumsum(count, dtype=jnp.int32)
+    slot = jnp.arange(num_tiles + num_groups, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(cum, slot, side="right").astype(jnp.int32),
+                        num_groups - 1)
+    is_group_tile = slot < cum[-1]
+    zero_tile = (total + block_m - 1) // block_m + (slot - cum[-1])
+    is_zero_tile = ~is_group_tile & (zero_tile < num_tiles)
+    tile = jnp.where(is_group_tile, first[group] + slot - (cum[group] - count[group]),
+                     jnp.where(is_zero_tile, zero_tile, 0))
+    row_lo = jnp.where(is_group_tile, starts[group], 0)
+    row_hi = jnp.where(is_group_tile, ends[group], 0)
+    zero_from = jnp.where(is_group_tile | is_zero_tile, total, m)
+    return jnp.stack([group, tile, row_lo, row_hi, zero_from]).astype(jnp.int32)
+
+
+def _mask2d(row_mask, col_mask):
+    """[R, C] mask from optional [R] and [C] masks (None = all True; None if both)."""
+    if row_mask is None and col_mask is None:
+        return None
+    if col_mask is None:
+        return row_mask[:, None]
+    if row_mask is None:
+        return col_mask[None, :]
+    return row_mask[:, None] & col_mask[None, :]
+
+
+def _load(ref, mask):
+    """Masked load (zeros where ``mask`` is False); a plain load when mask is None."""
+    return plgpu.load(ref) if mask is None else plgpu.load(ref, mask=mask, other=0)
+
+
+def _tail_mask(start, size: int, bound: int):
+    """[size] mask start + i < bound, or None when ``bound`` is a multiple of size
+    (start is then a multiple of size and no tile overruns)."""
+    return None if bound % size == 0 else start + jnp.arange(size) < bound
+
+
+def _precision(dtype):
+    """IEEE float32 dots for float32 inputs (Triton would otherwise use TF32)."""
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def _gmm_kernel(sched_ref, lhs_ref, rhs_ref, out_ref, *, tiles: KernelTiles, dims):
+    """One (slot, N tile) program: out[tile rows in group, n tile] = lhs @ rhs[group].
+
+    sched_ref: int32[5, T]. lhs_ref: [M, K]. rhs_ref: [G, K, N]. out_ref: [M, N].
+    """
+    m, k, n = dims
+    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    slot, n_tile = pl.program_id(0), pl.program_id(1)
+    group = sched_ref[GROUP, slot]
+    row_lo, row_hi = sched_ref[ROW_LO, slot], sched_ref[ROW_HI, slot]
+    row0, col0 = sched_ref[TILE, slot] * bm, n_tile * bn
+    rows = row0 + jnp.arange(bm)
+    in_group = (rows >= row_lo) & (rows < row_hi)
+    col_ok = _tail_mask(col0, bn, n)
+
+    def body(step, acc):
+        k0 = step * bk
+        k_ok = _tail_mask(k0, bk, k)
+        a = _load(lhs_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)],
+                  _mask2d(in_group, k_ok))
+        b = _load(rhs_ref.at[group, pl.ds(k0, bk), pl.ds(col0, bn)],
+                  _mask2d(k_ok, col_ok))
+        return acc + plgpu.dot(a, b, precision=_precision(a.dtype))
+
+    steps = jnp.where(row_hi > row_lo, pl.cdiv(k, bk), 0)
+    acc = lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32))
+    # Rows outside the group hold 0 * rhs, which is NaN where rhs is inf: select 0.
+    acc = jnp.where(in_group[:, None], acc, 0.0)
+    row_ok = (in_group | (rows >= sched_ref[ZERO_FROM, slot])) & (rows < m)
+    plgpu.store(out_ref.at[pl.ds(row0, bm), pl.ds(col0, bn)], acc.astype(out_ref.dtype),
+                mask=_mask2d(row_ok, col_ok))
+
+
+def gmm(lhs, rhs, group_sizes, *, out_dtype, tiles=None, interpret=False) -> jax.Array:
+    """Grouped GEMM: out[m] = lhs[m] @ rhs[g(m)]; rows past sum(group_sizes) are zero.
+
+    Args:
+      lhs: [M, K]. rhs: [G, K, N], same dtype (bf16, f16 or f32).
+      group_sizes: int32[G], rows of each group, consecutive from row 0.
+      out_dtype: result dtype (accumulation is float32).
+      tiles: TritonTiles (its gmm fields) or None for ``TritonTiles.for_shape``.
+      interpret: run the kernel in Pallas interpret mode (CPU).
+    Returns:
+      [M, N] in ``out_dtype``.
+    """
+    check(lhs, rhs, group_sizes, out_dtype)
+    (m, k), (_, _, n) = lhs.shape, rhs.shape
+    kt = _resolve_tiles(tiles, m, k, n, lhs.dtype).gmm
+    schedule = gmm_schedule(group_sizes, m, kt.block_m)
+    return pl.pallas_call(
+        functools.partial(_gmm_kernel, tiles=kt, dims=(m, k, n)),
+        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid=(schedule.shape[1], pl.cdiv(n, kt.block_n)),
+        compiler_params=plgpu.CompilerParams(num_warps=kt.num_warps,
+                                             num_stages=kt.num_stages),
+        interpret=interpret,
+        name="ragged_dot_gmm",
+    )(schedule, lhs, rhs)
+
+
+def _tgmm_kernel(offsets_ref, lhs_ref, dout_ref, out_ref, *, tiles: KernelTiles, dims):
+    """One (group, K tile, N tile) program: out[g, k tile, n tile] = sum over the
+    group's rows of lhs[row, k tile]^T dout[row, n tile].
+
+    offsets_ref: int32[G + 1]. lhs_ref: [M, K]. dout_ref: [M, N]. out_ref: [G, K, N].
+    """
+    _, k, n = dims
+    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    group, k0, n0 = pl.program_id(0), pl.program_id(1) * bk, pl.program_id(2) * bn
+    row_lo, row_hi = offsets_ref[group], offsets_ref[group + 1]
+    k_ok, n_ok = _tail_mask(k0, bk, k), _tail_mask(n0, bn, n)
+
+    def body(step, acc):
+        row0 = row_lo + step * bm
+        row_ok = row0 + jnp.arange(bm) < row_hi
+        a = _load(lhs_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)],
+                  _mask2d(row_ok, k_ok))
+        b = _load(dout_ref.at[pl.ds(row0, bm), pl.ds(n0, bn)],
+                  _mask2d(row_ok, n_ok))
+        return acc + plgpu.dot(a, b, trans_a=True, precision=_precision(a.dtype))
+
+    steps = lax.div(row_hi - row_lo + bm - 1, bm)
+    acc = lax.fori_loop(0, steps, body, jnp.zeros((bk, bn), jnp.float32))
+    plgpu.store(out_ref.at[group, pl.ds(k0, bk), pl.ds(n0, bn)], acc.astype(out_ref.dtype),
+                mask=_mask2d(k_ok, n_ok))
+
+
+def tgmm(lhs, dout, group_sizes, *, out_dtype, tiles=None, interpret=False) -> jax.Array:
+    """Transposed grouped GEMM: out[g] = lhs[rows of g]^T @ dout[rows of g].
+
+    Args:
+      lhs: [M, K]. dout: [M, N], same dtype (bf16, f16 or f32).
+      group_sizes: int32[G]; rows past the sum are ignored, empty groups give zeros.
+      out_dtype: result dtype (accumulation is float32).
+      tiles: TritonTiles (its tgmm fields) or None for ``TritonTiles.for_shape``.
+      interpret: run the kernel in Pallas interpret mode (CPU).
+    Returns:
+      [G, K, N] in ``out_dtype``.
+    """
+    check(lhs, dout, group_sizes, out_dtype)
+    (m, k), n, g = lhs.shape, dout.shape[1], group_sizes.shape[0]
+    kt = _resolve_tiles(tiles, m, k, n, lhs.dtype).tgmm
+    return pl.pallas_call(
+        functools.partial(_tgmm_kernel, tiles=kt, dims=(m, k, n)),
+        out_shape=jax.ShapeDtypeStruct((g, k, n), out_dtype),
+        grid=(g, pl.cdiv(k, kt.block_k), pl.cdiv(n, kt.block_n)),
+        compiler_params=plgpu.CompilerParams(num_warps=kt.num_warps,
+                                             num_stages=kt.num_stages),
+        interpret=interpret,
+        name="ragged_dot_tgmm",
+    )(group_offsets(group_sizes, m), lhs, dout)

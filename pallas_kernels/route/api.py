@@ -1,0 +1,140 @@
+"""The router's front door: validation, backend choice and the ``custom_vjp``.
+
+Letters: T tokens, D model dim, E experts, K = top_k.
+
+Every backend returns ``RouteOutput`` with the reference's contract; the backward
+pass is shared and written in ``jnp`` on the saved logits (it is O(T*E), the
+forward's GEMM transpose aside), so a backend only implements the forward.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from aristax.pallas_kernels import frontdoor
+from aristax.pallas_kernels.route import reference, triton
+from aristax.pallas_kernels.route.reference import SCORES, RouteOutput
+
+BACKENDS: dict[str, Callable[..., RouteOutput]] = {
+    "triton": triton.route,
+    "reference": reference.route,
+}
+DEFAULT_ORDER: dict[str, tuple[str, ...]] = {"gpu": ("triton", "reference")}
+
+
+def _validate(x, w_router, bias, top_k: int, score: str) -> None:
+    """ValueError naming the argument and the expected shape or value."""
+    if x.ndim != 2:
+        raise ValueError(f"route: x must be [T, D]; got shape {tuple(x.shape)}")
+    T, D = x.shape
+    if w_router.ndim != 2 or w_router.shape[0] != D:
+        raise ValueError(
+            f"route: w_router must be [D, E] = [{D}, E] (D from x); got shape "
+            f"{tuple(w_router.shape)}")
+    E = w_router.shape[1]
+    if bias is not None and tuple(bias.shape) != (E,):
+        raise ValueError(f"route: bias must be [E] = [{E}] or None; got shape "
+                         f"{tuple(bias.shape)}")
+    for name, arr in (("x", x), ("w_router", w_router), ("bias", bias)):
+        if arr is not None and not jnp.issubdtype(arr.dtype, jnp.floating):
+            raise ValueError(f"route: {name} must be floating point; got {arr.dtype}")
+    if not isinstance(top_k, int) or not 1 <= top_k <= E:
+        raise ValueError(f"route: top_k must be an int in [1, E={E}]; got {top_k!r}")
+    if score not in SCORES:
+        raise ValueError(f"route: score must be one of {SCORES}; got {score!r}")
+
+
+def _score_vjp(logits: jax.Array, ids: jax.Array, dweights: jax.Array,
+               score: str, normalize: bool) -> jax.Array:
+    """d loss / d logits [T, E] through the weights (selection is piecewise constant).
+
+    With g = scores[ids] and w = g / sum_k g:  dg = (dw - sum_k dw w) / sum_k g;
+    dscores = scatter of dg to ids; softmax: dl = p (ds - <ds, p>); sigmoid:
+    dl = ds s (1 - s). Non-finite tokens (weights 0, logits replaced) get 0.
+    """
+    finite = reference.finite_tokens(logits)
+    scores = reference.router_scores(jnp.where(finite[:, None], logits, 0.0), score)
+    dg = dweights.astype(scores.dtype)
+    if normalize:
+        g = jnp.take_along_axis(scores, ids, axis=-1)
+        total = jnp.sum(g, axis=-1, keepdims=True)
+        dg = (dg - jnp.sum(dg * g, axis=-1, keepdims=True) / total) / total
+    dg = jnp.where(finite[:, None], dg, 0.0)
+    onehot = jax.nn.one_hot(ids, logits.shape[1], dtype=scores.dtype)  # [T, K, E]
+    dscores = jnp.einsum("tk,tke->te", dg, onehot)
+    if score == "softmax":
+        dl = scores * (dscores - jnp.sum(dscores * scores, axis=-1, keepdims=True))
+    else:
+        dl = dscores * scores * (1.0 - scores)
+    return jnp.where(finite[:, None], dl, 0.0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _route(x, w_router, bias, top_k, score, normalize, names, interpret):
+    return frontdoor.call_first("route", BACKENDS, names, x, w_router, bias, top_k=top_k,
+                                score=score, normalize=normalize, interpret=interpret)
+
+
+def _route_fwd(x, w_router, bias, top_k, score, normalize, names, interpret):
+    out = _route(x, w_router, bias, top_k, score, normalize, names, interpret)
+    return out, (x, w_router, bias, out.logits, out.expert_ids)
+
+
+def _route_bwd(top_k, score, normalize, names, interpret, residuals, cotangents):
+    """dx = dlogits_total @ w^T, dw = x^T @ dlogits_total; the bias only selects."""
+    del top_k, names, interpret
+    x, w_router, bias, logits, ids = residuals
+    dlogits = cotangents.logits.astype(logits.dtype) + _score_vjp(
+        logits, ids, cotangents.weights, score, normalize)
+    hi = jax.lax.Precision.HIGHEST
+    dx = jnp.dot(dlogits, w_router.astype(logits.dtype).T, precision=hi)
+    dw = jnp.dot(x.astype(logits.dtype).T, dlogits, precision=hi)
+    dbias = None if bias is None else jnp.zeros_like(bias)
+    return dx.astype(x.dtype), dw.astype(w_router.dtype), dbias
+
+
+_route.defvjp(_route_fwd, _route_bwd)
+
+
+def route(
+    x: jax.Array,
+    w_router: jax.Array,
+    *,
+    top_k: int,
+    score: str = "softmax",
+    bias: jax.Array | None = None,
+    normalize: bool = False,
+    implementation: frontdoor.Implementation = None,
+    interpret: bool | None = None,
+) -> RouteOutput:
+    """Token-choice router and dropless expert order in one call.
+
+    logits = x @ w_router; scores = softmax (Switch eq. 1) or sigmoid (DeepSeek-V3
+    eq. 15); ids = top_k(scores + bias) with lax.top_k's tie rule (lowest expert
+    first); weights = scores[ids], renormalised over K when ``normalize``; counts and
+    sort_order give the stable expert order of the T*K slots (``aristax.dispatch``'s
+    dropless layout). Equals ``aristax.routing.route`` with router "softmax_topk" or
+    "sigmoid", num_groups=1 and routed_scaling_factor=1 (``reference`` module docstring).
+
+    Args:
+      x: [T, D] tokens. w_router: [D, E].
+      top_k: K in [1, E]. score: "softmax" | "sigmoid".
+      bias: float[E] aux-loss-free bias; changes the selection, never the weights,
+        and gets a zero gradient.
+      normalize: renormalise the K weights of each token to sum to 1.
+      implementation: backend name or ordered list ("triton", "reference"); None =
+        the platform default ("triton" then "reference" on GPU, "reference" elsewhere).
+      interpret: Pallas interpret mode; None = iff the default backend is the CPU.
+    Returns:
+      ``RouteOutput(logits[T,E], expert_ids int32[T,K], weights[T,K], counts
+      int32[E], sort_order int32[T*K])``; logits and weights are differentiable
+      w.r.t. x and w_router.
+    """
+    _validate(x, w_router, bias, top_k, score)
+    names = frontdoor.candidates("route", BACKENDS, DEFAULT_ORDER, implementation)
+    return _route(x, w_router, bias, top_k, score, bool(normalize), names,
+                  frontdoor.resolve_interpret(interpret))

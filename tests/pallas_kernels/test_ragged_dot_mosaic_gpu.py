@@ -1,0 +1,302 @@
+"""The Mosaic GPU grouped GEMMs: CPU interpret mode (race detection on) against the
+references, the schedules, the refusals, and CUDA lowering with ``jax.export``.
+
+Interpret mode simulates GMEM/SMEM, TMA, barriers and wgmma on the CPU, and is slow:
+shapes stay at M <= 200, K, N <= 128, tiles of 64.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from aristax.pallas_kernels.ragged_dot import mosaic_gpu as mg
+
+TILES = mg.MosaicTiles(
+    block_m=64, block_n=64, block_k=64, max_concurrent_steps=2,
+    bwd_block_m=64, bwd_block_k=64, bwd_block_n=64, bwd_max_concurrent_steps=2,
+)
+TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2, jnp.float16: 2e-3}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_interpreter():
+    """A kernel that raised leaves the interpreter's global state set: clear it."""
+    yield
+    mg.reset_interpret_state()
+
+
+def _inputs(seed, m, k, n, g, dtype, rhs_rows=None):
+    """Fresh normal lhs[m,k] and rhs[g,k,n] (or, with rhs_rows, dout[rhs_rows,n])."""
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    lhs = jax.random.normal(k1, (m, k), jnp.float32).astype(dtype)
+    shape = (g, k, n) if rhs_rows is None else (rhs_rows, n)
+    return lhs, jax.random.normal(k2, shape, jnp.float32).astype(dtype)
+
+
+def _tgmm_numpy(lhs, dout, sizes):
+    """out[g] = lhs[rows of g]^T @ dout[rows of g], a float64 loop over groups."""
+    lhs, dout = np.asarray(lhs, np.float64), np.asarray(dout, np.float64)
+    out = np.zeros((len(sizes), lhs.shape[1], dout.shape[1]))
+    start = 0
+    for g, size in enumerate(sizes):
+        out[g] = lhs[start:start + size].T @ dout[start:start + size]
+        start += size
+    return out
+
+
+def _assert_close(actual, expected, dtype):
+    tol = TOL[dtype]
+    scale = max(1.0, float(np.abs(np.asarray(expected, np.float64)).max()))
+    np.testing.assert_allclose(
+        np.asarray(actual, np.float64), np.asarray(expected, np.float64),
+        rtol=tol, atol=tol * scale,
+    )
+
+
+# name: (M, sizes). M = 200 is not a multiple of the 64-row tile. Cases sharing
+# (M, G, dtypes) share one compiled interpreter program, so G is 4 throughout.
+GMM_CASES = {
+    "all_zero_sizes": (200, [0, 0, 0, 0]),
+    "one_group_holds_all": (200, [0, 200, 0, 0]),
+    "size1_tile_plus1_tail": (200, [1, 65, 0, 70]),  # sum 136 < M: rows 136.. are 0
+    "straddling_groups": (200, [63, 2, 64, 71]),
+    "m_below_tile": (8, [3, 0, 5, 0]),
+}
+
+
+@pytest.mark.parametrize(
+    "case,in_dtype,out_dtype",
+    [
+        ("all_zero_sizes", jnp.bfloat16, jnp.float32),
+        ("one_group_holds_all", jnp.bfloat16, jnp.float32),
+        ("size1_tile_plus1_tail", jnp.bfloat16, jnp.float32),
+        ("straddling_groups", jnp.bfloat16, jnp.float32),
+        ("size1_tile_plus1_tail", jnp.bfloat16, jnp.bfloat16),
+        ("straddling_groups", jnp.float16, jnp.float32),
+        ("m_below_tile", jnp.bfloat16, jnp.float32),
+    ],
+)
+def test_gmm_interpret_matches_ragged_dot(case, in_dtype, out_dtype):
+    """N = 128 with 64-wide tiles: two column tiles per row tile."""
+    m, sizes = GMM_CASES[case]
+    g, k, n = len(sizes), 64, 128
+    lhs, rhs = _inputs(zlib.crc32(case.encode()), m, k, n, g, in_dtype)
+    gs = jnp.asarray(sizes, jnp.int32)
+    out = mg.gmm(lhs, rhs, gs, out_dtype=out_dtype, tiles=TILES, interpret=True)
+    out = np.asarray(jax.block_until_ready(out).astype(jnp.float32))
+    assert not mg.races_found()
+    ref = jax.lax.ragged_dot(lhs, rhs, gs, preferred_element_type=jnp.float32)
+    assert out.shape == (m, n)
+    _assert_close(out, ref.astype(out_dtype).astype(jnp.float32), out_dtype)
+    assert not np.any(out[sum(sizes):]), "rows past sum(group_sizes) must be 0"
+
+
+@pytest.mark.parametrize(
+    "sizes,in_dtype,out_dtype",
+    [
+        ([1, 65, 0, 70], jnp.bfloat16, jnp.float32),  # empty group; rows 136.. ignored
+        ([63, 2, 0, 135], jnp.bfloat16, jnp.float32),
+        ([0, 0, 0, 0], jnp.bfloat16, jnp.bfloat16),
+    ],
+)
+def test_tgmm_interpret_matches_numpy_loop(sizes, in_dtype, out_dtype):
+    m, g, k, n = 200, len(sizes), 64, 128
+    lhs, dout = _inputs(sum(sizes) + sizes[0], m, k, n, g, in_dtype, rhs_rows=m)
+    gs = jnp.asarray(sizes, jnp.int32)
+    out = mg.tgmm(lhs, dout, gs, out_dtype=out_dtype, tiles=TILES, interpret=True)
+    out = np.asarray(jax.block_until_ready(out).astype(jnp.float32))
+    assert not mg.races_found()
+    assert out.shape == (g, k, n)
+    ref = jnp.asarray(_tgmm_numpy(lhs, dout, sizes), jnp.float32)
+    _assert_close(out, np.asarray(ref.astype(out_dtype).astype(jnp.float32)), out_dtype)
+    for gi, size in enumerate(sizes):
+        if size == 0:
+            assert not np.any(out[gi]), "empty groups must give 0"
+
+
+def test_race_detector_is_live():
+    """The no-race assertions above mean something: reading SMEM before the TMA
+    barrier is waited for is reported."""
+
+    def racy(x_gmem, o_gmem):
+        def scope(smem, barrier):
+            plgpu.copy_gmem_to_smem(x_gmem, smem, barrier)
+            early = smem[...]  # the race: the copy may still be in flight
+            plgpu.barrier_wait(barrier)
+            smem[...] = early
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(smem, o_gmem)
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(scope, plgpu.SMEM((64, 64), jnp.float32),
+                      plgpu.Barrier(num_arrivals=1))
+
+    kernel = plgpu.kernel(racy, out_type=jax.ShapeDtypeStruct((64, 64), jnp.float32),
+                          grid=(1,), grid_names=("sm",), interpret=mg.interpret_params())
+    jax.block_until_ready(kernel(jnp.ones((64, 64), jnp.float32)))
+    assert mg.races_found()
+
+
+@pytest.mark.parametrize(
+    "m,sizes,block_m",
+    [(200, [1, 65, 0, 70], 64), (200, [0, 0, 0], 64), (200, [0, 200, 0], 64),
+     (8, [3, 0, 5], 64), (256, [64, 64, 0, 128], 64), (296, [7, 0, 0, 130, 100], 128)],
+)
+def test_row_tile_schedule_covers_each_row_once(m, sizes, block_m):
+    """Every row in [0, M) is owned by exactly one tile of its group (G = tail)."""
+    sched = np.asarray(mg.row_tile_schedule(jnp.asarray(sizes, jnp.int32), m, block_m))
+    assert sched.shape == (4, mg.num_row_tiles(m, len(sizes), block_m))
+    owner = np.full(m, -1)
+    for group, block, lo, hi in sched.T:
+        rows = np.arange(block * block_m + lo, block * block_m + hi)
+        assert np.all(owner[rows] == -1), "a row is stored twice"
+        owner[rows] = group
+    expected = np.repeat(np.arange(len(sizes) + 1), sizes + [m - sum(sizes)])
+    np.testing.assert_array_equal(owner, expected)
+
+
+def test_group_row_blocks():
+    info = np.asarray(mg.group_row_blocks(jnp.asarray([1, 65, 0, 70], jnp.int32), 200, 64))
+    np.testing.assert_array_equal(info, [[0, 1, 66, 66], [1, 66, 66, 136],
+                                         [0, 0, 1, 1], [1, 2, 0, 2]])
+
+
+def _sds(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+@pytest.mark.parametrize(
+    "args,reason",
+    [
+        ((_sds((64, 64), jnp.float32), _sds((2, 64, 64), jnp.float32)), "TF32"),
+        ((_sds((64, 64), jnp.bfloat16), _sds((2, 64, 64), jnp.float16)), "both"),
+        ((_sds((64, 96), jnp.bfloat16), _sds((2, 96, 64), jnp.bfloat16)), "multiples of 64"),
+        ((_sds((64, 64), jnp.bfloat16), _sds((2, 64, 100), jnp.bfloat16)), "multiples of 64"),
+        ((_sds((300, 64), jnp.bfloat16), _sds((2, 64, 64), jnp.bfloat16)), "multiple of 8"),
+    ],
+)
+def test_check_refuses_with_reason(args, reason):
+    lhs, rhs = args
+    with pytest.raises(NotImplementedError, match=reason):
+        mg.check(lhs, rhs, _sds((2,), jnp.int32), jnp.float32, interpret=True)
+
+
+def test_check_refuses_integer_out_dtype_and_accepts_supported():
+    lhs, rhs = _sds((64, 64), jnp.bfloat16), _sds((2, 64, 64), jnp.bfloat16)
+    gs = _sds((2,), jnp.int32)
+    with pytest.raises(NotImplementedError, match="out_dtype"):
+        mg.check(lhs, rhs, gs, jnp.int32, interpret=True)
+    for out_dtype in (None, jnp.float32, jnp.bfloat16, jnp.float16):
+        mg.check(lhs, rhs, gs, out_dtype, interpret=True)
+    mg.check_tgmm(lhs, _sds((64, 128), jnp.bfloat16), gs, jnp.float32, interpret=True)
+
+
+def test_tiles_are_fitted_to_the_shape():
+    """Whatever ``check`` accepts is served: blocks that do not divide K or N drop
+    to 64, pipelines too deep for SMEM get shallower; impossible tiles are errors."""
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    t = mg.MosaicTiles(block_n=128, block_k=128, max_concurrent_steps=3,
+                       bwd_block_k=128, bwd_block_n=128)
+    fitted = t.fit(192, 320, bf16, f32)
+    assert (fitted.block_k, fitted.block_n) == (64, 64)
+    assert (fitted.bwd_block_k, fitted.bwd_block_n) == (64, 64)
+    assert t.fit(256, 512, bf16, f32) == t
+    big = mg.MosaicTiles(block_m=128, block_n=256, block_k=128, max_concurrent_steps=4)
+    assert big.smem_bytes(2, 4, bwd=False) > mg.SMEM_BYTES
+    shallower = big.fit(512, 512, bf16, f32)
+    assert shallower.max_concurrent_steps == 2
+    assert shallower.smem_bytes(2, 4, bwd=False) <= mg.SMEM_BYTES
+    with pytest.raises(ValueError, match="SMEM"):
+        mg.MosaicTiles(block_m=256, block_n=256, max_concurrent_steps=1).fit(
+            512, 512, bf16, f32)
+    with pytest.raises(TypeError, match="MosaicTiles"):
+        mg.gmm(jnp.zeros((64, 64), bf16), jnp.zeros((2, 64, 64), bf16),
+               jnp.asarray([32, 32], jnp.int32), out_dtype=f32, tiles={"block_m": 64},
+               interpret=True)
+
+
+def test_tiles_validation_and_heuristic():
+    with pytest.raises(ValueError, match="multiple of 64"):
+        mg.MosaicTiles(block_m=96)
+    with pytest.raises(ValueError, match="positive"):
+        mg.MosaicTiles(max_concurrent_steps=0)
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    for m, k, n, g in [(4096, 1024, 512, 8), (256, 64, 192, 16), (8, 128, 64, 1)]:
+        t = mg.MosaicTiles.for_shape(m, k, n, g)
+        assert t.fit(k, n, bf16, f32) == t  # already divides and fits
+        dlhs = t.fit(n, k, bf16, bf16)  # the backward's dlhs = gmm(dout, rhs^T)
+        assert dlhs.block_k == t.block_k and dlhs.block_m == t.block_m
+        assert 1 <= t.max_concurrent_steps <= max(1, k // t.block_k)
+    assert mg.MosaicTiles.for_shape(4096, 512, 512, 64).block_m == 64  # small groups
+    assert mg.MosaicTiles.for_shape(4096, 512, 512, 4).block_m == 128
+
+
+# (M, K, N, G, input dtype, output dtype); default tiles unless noted.
+LOWERING_CASES = [
+    (296, 256, 384, 4, jnp.bfloat16, jnp.float32),
+    (2048, 512, 256, 4, jnp.bfloat16, jnp.float32),  # the largest default tiles
+    (1024, 512, 256, 8, jnp.bfloat16, jnp.bfloat16),
+    (8, 64, 64, 2, jnp.float16, jnp.float32),
+    (1000, 128, 192, 5, jnp.float16, jnp.float16),
+]
+
+
+def _custom_calls(exported) -> set[str]:
+    return set(re.findall(r"custom_call @(\w+)", exported.mlir_module()))
+
+
+@pytest.mark.parametrize("op", ["gmm", "tgmm"])
+@pytest.mark.parametrize("m,k,n,g,in_dtype,out_dtype", LOWERING_CASES)
+def test_lowers_for_cuda(op, m, k, n, g, in_dtype, out_dtype):
+    """interpret=False lowers the real kernel (Mosaic GPU MLIR) on this CPU host."""
+    if op == "gmm":
+        f = lambda a, b, s: mg.gmm(a, b, s, out_dtype=out_dtype)  # noqa: E731
+        second = _sds((g, k, n), in_dtype)
+        expected = (m, n)
+    else:
+        f = lambda a, b, s: mg.tgmm(a, b, s, out_dtype=out_dtype)  # noqa: E731
+        second = _sds((m, n), in_dtype)
+        expected = (g, k, n)
+    exported = jax.export.export(jax.jit(f), platforms=["cuda"])(
+        _sds((m, k), in_dtype), second, _sds((g,), jnp.int32))
+    assert any("mosaic_gpu" in c for c in _custom_calls(exported))
+    assert exported.out_avals[0].shape == expected
+    assert exported.out_avals[0].dtype == jnp.dtype(out_dtype)
+
+
+def test_lowers_with_single_stage_pipeline():
+    """max_concurrent_steps=1: no delayed release, each wgmma is waited for."""
+    tiles = mg.MosaicTiles(max_concurrent_steps=1, bwd_max_concurrent_steps=1)
+    args = (_sds((256, 128), jnp.bfloat16), _sds((3, 128, 128), jnp.bfloat16),
+            _sds((3,), jnp.int32))
+    f = lambda a, b, s: mg.gmm(a, b, s, out_dtype=jnp.float32, tiles=tiles)  # noqa: E731
+    assert _custom_calls(jax.export.export(jax.jit(f), platforms=["cuda"])(*args))
+    t = lambda a, b, s: mg.tgmm(a, b, s, out_dtype=jnp.float32, tiles=tiles)  # noqa: E731
+    args = (args[0], _sds((256, 128), jnp.bfloat16), args[2])
+    assert _custom_calls(jax.export.export(jax.jit(t), platforms=["cuda"])(*args))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("in_dtype", [jnp.bfloat16, jnp.float16])
+def test_compiled_on_hopper(in_dtype):
+    """On an H100/H200: the compiled kernels against the references."""
+    if not str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9."):
+        pytest.skip("needs a Hopper GPU")
+    m, k, n, sizes = 1024, 256, 384, [0, 1, 65, 300, 0, 400]  # sum 766 < M
+    lhs, rhs = _inputs(7, m, k, n, len(sizes), in_dtype)
+    gs = jnp.asarray(sizes, jnp.int32)
+    out = mg.gmm(lhs, rhs, gs, out_dtype=jnp.float32)
+    ref = jax.lax.ragged_dot(lhs, rhs, gs, preferred_element_type=jnp.float32)
+    _assert_close(out, ref, jnp.float32)
+    assert not np.any(np.asarray(out)[sum(sizes):])
+    dout = jax.random.normal(jax.random.key(8), (m, n), jnp.float32).astype(in_dtype)
+    _assert_close(mg.tgmm(lhs, dout, gs, out_dtype=jnp.float32),
+                  _tgmm_numpy(lhs, dout, sizes), jnp.float32)
