@@ -1,19 +1,19 @@
-"""The ``aristax`` command: ``aristax demo | plan | generate``."""
+"""The ``aristax`` command: ``aristax train | launch | plan | generate``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from aristax import demo
 from aristax.models import cli as models_cli
 from aristax.planner import cli as planner_cli
+from aristax.train import cli as train_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aristax", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
-    demo.register(subparsers)
+    train_cli.register(subparsers)
     planner_cli.register(subparsers)
     models_cli.register(subparsers)
     return parser

@@ -301,12 +301,15 @@ class KVCache:
 class MixtralOutput:
     """logits float[B, S, V]; router_logits: one float32[B, S, E] per layer;
     aux_loss: float32[] HF's load-balancing loss (None with a cache); cache: the
-    updated ``KVCache`` (None without one)."""
+    updated ``KVCache`` (None without one); moe_aux: each layer's ``aristax.MoE`` aux
+    dict (loss, lb/z losses, expert_load[E], dropped_fraction, ...; None for layers
+    that ran the sparse decode path)."""
 
     logits: jax.Array
     router_logits: tuple[jax.Array, ...]
     aux_loss: jax.Array | None = None
     cache: KVCache | None = None
+    moe_aux: tuple[dict | None, ...] = ()
 
 
 # --------------------------------------------------------------------- modules
@@ -359,15 +362,16 @@ class Attention(nnx.Module):
 class DecoderLayer(nnx.Module):
     """x + attn(norm(x)), then h + moe(norm(h)) (HF ``MixtralDecoderLayer``)."""
 
-    def __init__(self, config: MixtralConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: MixtralConfig, *, rngs: nnx.Rngs, moe_config: MoEConfig,
+                 mesh=None, plan=None):
         D, eps, dt = config.hidden_size, config.rms_norm_eps, config.dtype
         self.input_norm = RMSNorm(D, eps, dt)
         self.attn = Attention(config, rngs=rngs)
         self.post_attention_norm = RMSNorm(D, eps, dt)
-        self.moe = MoE(config.moe_config(), rngs=rngs)
+        self.moe = MoE(moe_config, rngs=rngs, mesh=mesh, plan=plan)
 
     def __call__(self, x, cos, sin, key_valid, query_slots, kv=None, index=None, views=None):
-        """Returns (x [B, S, D], router_logits float32[B, S, E], (k, v))."""
+        """Returns (x [B, S, D], router_logits float32[B, S, E], (k, v), MoE aux or None)."""
         a, kv = self.attn(self.input_norm(x), cos, sin, key_valid, query_slots, kv, index)
         h = x + a
         m_in = self.post_attention_norm(h)
@@ -377,11 +381,11 @@ class DecoderLayer(nnx.Module):
             y, logits = sparse_moe.sparse_moe(
                 m_in.reshape(B * S, D), self.moe.router.weight_de[...], views,
                 cfg.router_config, cfg.activation)
-            y, logits = y.reshape(B, S, D), logits.reshape(B, S, -1)
+            y, logits, aux = y.reshape(B, S, D), logits.reshape(B, S, -1), None
         else:
             y, aux = self.moe(m_in)
             logits = aux["router_logits"]
-        return h + y.astype(h.dtype), logits, kv
+        return h + y.astype(h.dtype), logits, kv, aux
 
 
 class Mixtral(nnx.Module):
@@ -390,14 +394,26 @@ class Mixtral(nnx.Module):
     Parameters: embed_vd [V, D] (HF embed_tokens.weight), layers (``DecoderLayer``),
     norm, lm_head_dv [D, V] (HF lm_head.weight transposed; None when
     ``tie_word_embeddings``, then the head is embed_vd.T).
+
+    ``moe_config`` replaces the Mixtral MoE block (``config.moe_config()``) by any
+    ``aristax.MoEConfig`` of the same E and D (other routers, capacity, shared
+    experts: a Switch- or DeepSeek-style decoder); Hugging Face parity holds only for
+    the default. ``mesh``/``plan`` go to every ``aristax.MoE`` (expert parallelism).
     """
 
-    def __init__(self, config: MixtralConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: MixtralConfig, *, rngs: nnx.Rngs,
+                 moe_config: MoEConfig | None = None, mesh=None, plan=None):
         self.config = config
         V, D, dt = config.vocab_size, config.hidden_size, config.dtype
+        moe_config = config.moe_config() if moe_config is None else moe_config
+        if (moe_config.num_experts, moe_config.d_model) != (config.num_local_experts, D):
+            raise ValueError(
+                f"moe_config has num_experts={moe_config.num_experts}, d_model="
+                f"{moe_config.d_model}; the model needs {config.num_local_experts}, {D}")
         self.embed_vd = _normal(rngs, (V, D), config.initializer_range, dt)
         self.layers = nnx.List(
-            [DecoderLayer(config, rngs=rngs) for _ in range(config.num_hidden_layers)]
+            [DecoderLayer(config, rngs=rngs, moe_config=moe_config, mesh=mesh, plan=plan)
+             for _ in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(D, config.rms_norm_eps, dt)
         self.lm_head_dv = (
@@ -449,12 +465,13 @@ class Mixtral(nnx.Module):
 
         x = jnp.take(self.embed_vd[...], input_ids, axis=0)
         cos, sin = rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, x.dtype)
-        router_logits, keys, values = [], [], []
+        router_logits, keys, values, moe_aux = [], [], [], []
         for i, layer in enumerate(self.layers):
             kv = None if cache is None else (cache.keys[i], cache.values[i])
             views = None if expert_views is None else expert_views[i]
-            x, logits, (k, v) = layer(x, cos, sin, key_valid, query_slots, kv, index, views)
+            x, logits, (k, v), aux = layer(x, cos, sin, key_valid, query_slots, kv, index, views)
             router_logits.append(logits)
+            moe_aux.append(aux)
             keys.append(k)
             values.append(v)
         x = self.norm(x)
@@ -470,7 +487,7 @@ class Mixtral(nnx.Module):
             new_cache = KVCache(keys=tuple(keys), values=tuple(values),
                                 key_valid=key_valid, index=index + S)
         return MixtralOutput(logits=logits, router_logits=tuple(router_logits),
-                             aux_loss=aux, cache=new_cache)
+                             aux_loss=aux, cache=new_cache, moe_aux=tuple(moe_aux))
 
     # ----------------------------------------------------------------- checkpoints
     @classmethod

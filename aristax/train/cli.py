@@ -1,0 +1,56 @@
+"""``aristax train CONFIG [key=value ...]`` and ``aristax launch --local-processes N CONFIG``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from aristax.train import ConfigError, load_config, train
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"aristax train: {err}", file=sys.stderr)
+        return 2
+    train(cfg)
+    return 0
+
+
+def run_launch(args: argparse.Namespace) -> int:
+    from aristax.train import ConfigError, load_config
+    from aristax.train.launch import launch
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"aristax launch: {err}", file=sys.stderr)
+        return 2
+    try:
+        return launch(args.config, args.overrides, args.local_processes,
+                      out_dir=Path(cfg.out_dir), grace=args.grace)
+    except RuntimeError as err:
+        print(f"aristax launch: {err}", file=sys.stderr)
+        return 1
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "train", help="train an MoE LM from a config (experiments/configs/*.yaml)",
+        description="Train from CONFIG, a YAML file stating its differences from "
+        "aristax.train.config.TrainConfig; key=value arguments override it (e.g. steps=50 "
+        "optim.lr=1e-3 checkpoint.resume=true). On a cluster run it on every host: SLURM "
+        "and ARISTAX_*/JAX_* variables are detected.")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+    p.set_defaults(func=run_train)
+    q = subparsers.add_parser(
+        "launch", help="run `aristax train` in N local processes (multi-host on one machine)")
+    q.add_argument("--local-processes", type=int, required=True)
+    q.add_argument("--grace", type=float, default=10.0,
+                   help="seconds between SIGTERM and SIGKILL when a peer fails")
+    q.add_argument("config")
+    q.add_argument("overrides", nargs="*", metavar="key=value")
+    q.set_defaults(func=run_launch)

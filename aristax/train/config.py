@@ -1,0 +1,213 @@
+"""Experiment configs: typed dataclasses, YAML files that state only their differences,
+and ``key=value`` overrides, merged and validated by OmegaConf structured configs.
+
+    cfg = load_config("experiments/configs/tiny.yaml", ["steps=50", "optim.lr=1e-3"])
+
+Errors name the key: an unknown key, a value of the wrong type, a key set twice (in
+one YAML file, or twice on the command line) and values out of range all raise
+``ConfigError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from aristax.config import MoEConfig
+from aristax.models.mixtral import MixtralConfig
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the key."""
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """A decoder LM whose FFN blocks are ``aristax.MoE`` (attention as Mixtral's)."""
+
+    vocab_size: int = 256  # bytes; a tokenizer file or token array sets its own
+    d_model: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    seq_len: int = 128
+    rope_theta: float = 10000.0
+    num_experts: int = 8
+    top_k: int = 2
+    d_ff: int = 128
+    activation: str = "swiglu"
+    router: str = "softmax_topk"
+    normalize_weights: bool = True
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    capacity_factor: Optional[float] = None
+    drop_policy: str = "position"
+    num_shared_experts: int = 0
+    bias_update_rate: float = 0.0
+    lb_loss_coef: float = 0.01
+    seq_aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.001
+    dtype: str = "float32"
+    implementation: Optional[str] = None
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """``source``: "stdlib" (the Python standard library's .py files: on every
+    machine), a directory of text files, or a ``.npy`` file of token ids."""
+
+    source: str = "stdlib"
+    tokenizer: Optional[str] = None  # a Hugging Face tokenizer.json (needs `tokenizers`)
+    max_bytes: int = 4_000_000
+    held_out_fraction: float = 0.05
+    batch_size: int = 16  # global, over every process
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    """AdamW with linear warmup and cosine decay to ``min_lr_ratio * lr``."""
+
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    b1: float = 0.9
+    b2: float = 0.95
+    clip_norm: float = 1.0
+
+
+@dataclasses.dataclass
+class ParallelConfig:
+    """Devices, topology and the expert-parallel plan.
+
+    ``devices``: simulated CPU devices per run when JAX runs on the CPU (0: leave
+    as found). ``topology``: a preset of ``aristax.planner.topology.preset`` or a
+    JSON file; ``group_size``: expert-parallel group size (0: the planner decides);
+    ``expert_capacity``: experts one device can hold (0: the topology's), the memory
+    limit that makes LysiGroup form groups.
+    """
+
+    devices: int = 8
+    topology: str = "uniform"
+    expert_capacity: int = 0
+    expert_parallel: bool = True
+    group_size: int = 0
+    exchange_backend: Optional[str] = None
+    num_chunks: int = 0  # 0: the plan's Lancet partition count
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    every: int = 100
+    keep: int = 2
+    resume: bool = False
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    name: str = "tiny"
+    out_dir: str = "runs/${name}"
+    steps: int = 300
+    log_every: int = 25
+    eval_every: int = 100
+    eval_batches: int = 4
+    seed: int = 0
+    progress: bool = True
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
+    """The base ``TrainConfig``, then the YAML file, then ``key=value`` overrides.
+
+    Raises:
+      ConfigError: naming the key that is unknown, mistyped, set twice or invalid.
+    """
+    base = OmegaConf.structured(TrainConfig)
+    layers = []
+    try:
+        if path is not None:
+            layers.append(OmegaConf.load(path))
+        keys = [o.split("=", 1)[0].strip() for o in overrides]
+        twice = sorted({k for k in keys if keys.count(k) > 1})
+        if twice:
+            raise ConfigError(f"override key {twice[0]!r} is set twice on the command line")
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise ConfigError(f"override {bad[0]!r} is not key=value (e.g. optim.lr=1e-3)")
+        layers.append(OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(base, *layers)
+        cfg: TrainConfig = OmegaConf.to_object(merged)
+    except ConfigError:
+        raise
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None)
+        raise ConfigError(f"config key {key!r}: {err}".split("\n")[0] if key else str(err)) from None
+    except Exception as err:  # YAML syntax, duplicate keys in a file
+        if "duplicate key" in str(err):
+            raise ConfigError(f"{path}: {str(err).splitlines()[-2].strip()} is set twice "
+                              f"({' '.join(str(err).split())})") from None
+        raise ConfigError(f"{path}: {err}") from None
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Range checks (types are checked by OmegaConf); the model config validates itself."""
+    positive = {"steps": cfg.steps, "log_every": cfg.log_every, "eval_every": cfg.eval_every,
+                "eval_batches": cfg.eval_batches, "data.batch_size": cfg.data.batch_size,
+                "checkpoint.every": cfg.checkpoint.every, "checkpoint.keep": cfg.checkpoint.keep,
+                "model.seq_len": cfg.model.seq_len}
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key}={value} must be >= 1")
+    if not 0 < cfg.data.held_out_fraction < 1:
+        raise ConfigError(f"data.held_out_fraction={cfg.data.held_out_fraction} must be in (0, 1)")
+    if min(cfg.parallel.devices, cfg.parallel.group_size, cfg.parallel.num_chunks,
+           cfg.parallel.expert_capacity) < 0:
+        raise ConfigError("parallel.devices, group_size, num_chunks and expert_capacity must "
+                          "be >= 0 (0: decide automatically)")
+    try:
+        moe_config(cfg.model, cfg.parallel)  # its errors name the model.* field
+        mixtral_config(cfg.model)
+    except ValueError as err:
+        raise ConfigError(f"model: {err}") from None
+
+
+def mixtral_config(m: ModelConfig, vocab_size: int | None = None) -> MixtralConfig:
+    """The attention/embedding part of the model as a ``MixtralConfig``."""
+    return MixtralConfig(
+        vocab_size=vocab_size or m.vocab_size, hidden_size=m.d_model, intermediate_size=m.d_ff,
+        num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
+        num_key_value_heads=m.num_kv_heads, num_local_experts=m.num_experts,
+        num_experts_per_tok=m.top_k, rope_theta=m.rope_theta,
+        max_position_embeddings=m.seq_len, router_aux_loss_coef=m.lb_loss_coef,
+        bos_token_id=None, eos_token_id=None, dtype=m.dtype)
+
+
+def moe_config(m: ModelConfig, p: ParallelConfig | None = None) -> MoEConfig:
+    """The ``aristax.MoEConfig`` of every MoE block."""
+    fields: dict[str, Any] = dict(
+        num_experts=m.num_experts, top_k=m.top_k, d_model=m.d_model, d_ff=m.d_ff,
+        activation=m.activation, router=m.router, normalize_weights=m.normalize_weights,
+        num_groups=m.num_groups, topk_groups=m.topk_groups,
+        routed_scaling_factor=m.routed_scaling_factor, capacity_factor=m.capacity_factor,
+        drop_policy=m.drop_policy, num_shared_experts=m.num_shared_experts,
+        bias_update_rate=m.bias_update_rate, lb_loss_coef=m.lb_loss_coef,
+        seq_aux_loss_coef=m.seq_aux_loss_coef, z_loss_coef=m.z_loss_coef,
+        param_dtype=m.dtype, implementation=m.implementation)
+    if p is not None:
+        fields["exchange_backend"] = p.exchange_backend
+        if p.num_chunks:
+            fields["num_chunks"] = p.num_chunks
+    return MoEConfig(**fields)

@@ -1,0 +1,93 @@
+"""``aristax launch --local-processes N CONFIG``: N local processes of ``aristax train``.
+
+Each process gets the ARISTAX_* variables ``aristax.parallel.initialize_distributed``
+reads (coordinator on a free localhost port, process count and id), CPU devices
+(``parallel.devices`` / N each) and gloo collectives: one machine behaves like N hosts.
+Process 0's output is shown; the others' goes to ``<out_dir>/process_<i>.log``.
+
+If a process exits with an error (or is killed), the launcher stops the others
+(SIGTERM, then SIGKILL after ``grace`` seconds) and exits with an error naming the
+process and its exit code, so a dead peer never leaves the rest waiting in a
+collective.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_env(process_id: int, num_processes: int, port: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(ARISTAX_COORDINATOR=f"127.0.0.1:{port}",
+               ARISTAX_NUM_PROCESSES=str(num_processes), ARISTAX_PROCESS_ID=str(process_id),
+               JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)  # the train process sets its own device count
+    return env
+
+
+def launch(config: str, overrides: Sequence[str], num_processes: int, *, out_dir: Path,
+           grace: float = 10.0, poll: float = 0.2, log=print) -> int:
+    """Run ``aristax train config overrides`` in ``num_processes`` local processes.
+
+    Returns 0 when every process finished; raises RuntimeError naming the first
+    process that failed (after stopping the others).
+    """
+    if num_processes < 1:
+        raise ValueError(f"--local-processes={num_processes} must be >= 1")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    command = [sys.executable, "-m", "aristax.cli", "train", config, *overrides]
+    procs, logs = [], []
+    for i in range(num_processes):
+        out = None
+        if i > 0:
+            logs.append((out_dir / f"process_{i}.log").open("w"))
+            out = logs[-1]
+        procs.append(subprocess.Popen(command, env=process_env(i, num_processes, port),
+                                      stdout=out, stderr=subprocess.STDOUT if out else None))
+        log(f"launch: process {i} pid {procs[-1].pid}")
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                i, code = failed[0]
+                stop(procs, grace)
+                raise RuntimeError(
+                    f"process {i} (pid {procs[i].pid}) exited with code {code}; stopped the "
+                    f"other {num_processes - 1}. Its log: "
+                    f"{'above' if i == 0 else out_dir / f'process_{i}.log'}")
+            if all(c == 0 for c in codes):
+                return 0
+            time.sleep(poll)
+    finally:
+        stop(procs, grace)
+        for f in logs:
+            f.close()
+
+
+def stop(procs: Sequence[subprocess.Popen], grace: float) -> None:
+    """SIGTERM every live process, SIGKILL those still alive after ``grace`` seconds."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in live:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

@@ -1,0 +1,97 @@
+"""From a config to devices, a plan and a mesh: topology -> ``make_plan`` -> mesh.
+
+Also the process-level set-up that must run before JAX starts its backend: the
+number of simulated CPU devices and the multi-process runtime.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from aristax.parallel import expert_axes_of, initialize_distributed, mesh_from_plan
+from aristax.planner import ModelSpec, make_plan
+from aristax.planner.topology import PRESETS, Topology, uniform
+from aristax.sharding import EXPERT_AXIS
+from aristax.train.config import TrainConfig
+
+
+def start_processes(cfg: TrainConfig) -> None:
+    """Before any JAX computation: simulated CPU devices (``parallel.devices``, split
+    over the processes) and, when ARISTAX_*/JAX_*/SLURM settings say so, the
+    multi-process runtime with gloo CPU collectives."""
+    num_processes = int(os.environ.get("ARISTAX_NUM_PROCESSES", "1"))
+    devices = cfg.parallel.devices
+    if devices and os.environ.get("JAX_PLATFORMS", "cpu") in ("cpu", ""):
+        if devices % num_processes:
+            raise ValueError(f"parallel.devices={devices} is not divisible by the "
+                             f"{num_processes} processes")
+        flag = f"--xla_force_host_platform_device_count={devices // num_processes}"
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "xla_force_host_platform_device_count" not in flags:
+            os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
+    if num_processes > 1:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    initialize_distributed()
+
+
+def make_topology(name: str, num_devices: int, expert_capacity: int = 0) -> Topology:
+    """"uniform", a node-count preset of ``aristax.planner.topology.PRESETS``
+    ("perlmutter", "dgx_h100") with as many nodes as the devices fill, or a topology
+    JSON file (``Topology.save``)."""
+    capacity = {"expert_capacity": expert_capacity} if expert_capacity else {}
+    if name == "uniform":
+        return uniform(num_devices, **capacity)
+    if name in ("perlmutter", "dgx_h100"):
+        per_node = PRESETS[name](1).num_devices
+        if num_devices % per_node:
+            raise ValueError(f"parallel.topology={name!r} has {per_node} devices per node; "
+                             f"{num_devices} devices are not whole nodes")
+        return PRESETS[name](num_devices // per_node, **capacity)
+    if Path(name).is_file():
+        return Topology.load(name)
+    raise ValueError(f"parallel.topology={name!r} is not 'uniform', 'perlmutter', 'dgx_h100' "
+                     "or a topology JSON file")
+
+
+def plan_and_mesh(cfg: TrainConfig, devices):
+    """(plan, mesh) for expert parallelism over ``devices``, or (None, None) on one
+    device or with ``parallel.expert_parallel=false``. The mesh has Auto axes: jit
+    propagates the model's shardings and the MoE layer constrains its own."""
+    if not cfg.parallel.expert_parallel or len(devices) == 1:
+        return None, None
+    m = cfg.model
+    topology = make_topology(cfg.parallel.topology, len(devices), cfg.parallel.expert_capacity)
+    if topology.num_devices != len(devices):
+        raise ValueError(f"parallel.topology={cfg.parallel.topology!r} has "
+                         f"{topology.num_devices} devices but {len(devices)} are present")
+    tokens = cfg.data.batch_size * m.seq_len // len(devices)
+    spec = ModelSpec(num_experts=m.num_experts, top_k=m.top_k, d_model=m.d_model, d_ff=m.d_ff,
+                     tokens_per_device=max(tokens, 1), num_layers=m.num_layers, moe_every=1,
+                     bytes_per_element=np.dtype(m.dtype).itemsize)
+    G = cfg.parallel.group_size
+    groups = None
+    if G:
+        if len(devices) % G:
+            raise ValueError(f"parallel.group_size={G} does not divide {len(devices)} devices")
+        groups = [list(range(i, i + G)) for i in range(0, len(devices), G)]
+    plan = make_plan(topology, spec, groups=groups)
+    flat = mesh_from_plan(plan, devices, topology=topology)
+    mesh = mesh_from_plan(plan, devices, topology=topology,
+                          axis_types=(AxisType.Auto,) * len(flat.axis_names))
+    return plan, mesh
+
+
+def batch_sharding(mesh) -> NamedSharding | None:
+    """Tokens: the batch dimension split over every mesh axis."""
+    return None if mesh is None else NamedSharding(mesh, P(tuple(mesh.axis_names), None))
+
+
+def param_sharding(mesh, spec: P) -> NamedSharding:
+    """A parameter's metadata spec on ``mesh`` ("expert" -> the mesh's expert axes)."""
+    axes = expert_axes_of(mesh)
+    return NamedSharding(mesh, P(*(axes if a == EXPERT_AXIS else a for a in spec)))

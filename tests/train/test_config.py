@@ -1,0 +1,47 @@
+"""Config loading: YAML differences over the typed base, overrides, errors naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from aristax.train import ConfigError, TrainConfig, load_config
+from aristax.train.config import moe_config
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "experiments" / "configs").glob("*.yaml"))
+
+
+def test_every_shipped_config_loads_and_builds_its_moe_config():
+    assert {p.stem for p in CONFIGS} >= {"tiny", "mixtral", "switch", "deepseek",
+                                          "aristos_gpt3_350m"}
+    for path in CONFIGS:
+        cfg = load_config(path)
+        assert isinstance(cfg, TrainConfig) and cfg.name == path.stem
+        moe_config(cfg.model, cfg.parallel)
+
+
+def test_file_then_overrides_win(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("steps: 7\noptim:\n  lr: 0.5\n")
+    cfg = load_config(path, ["optim.lr=0.25", "model.capacity_factor=1.5"])
+    assert (cfg.steps, cfg.optim.lr, cfg.model.capacity_factor) == (7, 0.25, 1.5)
+    assert cfg.model.d_model == TrainConfig().model.d_model  # untouched: the base
+    assert cfg.out_dir == f"runs/{cfg.name}"  # interpolation resolved
+
+
+@pytest.mark.parametrize("text,overrides,key", [
+    ("stepz: 3\n", [], "stepz"),                        # unknown key in a file
+    ("", ["model.d_modle=3"], "d_modle"),               # unknown key on the command line
+    ("steps: many\n", [], "steps"),                     # wrong type
+    ("", ["optim.lr=fast"], "lr"),                      # wrong type on the command line
+    ("steps: 3\nsteps: 4\n", [], "steps"),              # set twice in one file
+    ("", ["steps=3", "steps=4"], "steps"),              # set twice on the command line
+    ("", ["steps=0"], "steps"),                         # out of range
+    ("", ["model.top_k=9"], "top_k"),                   # invalid model (top_k > E)
+])
+def test_errors_name_the_key(tmp_path, text, overrides, key):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=key):
+        load_config(path, overrides)

@@ -1,0 +1,61 @@
+"""`aristax launch --local-processes 2`: two processes (4 CPU devices each, gloo) train
+together and agree; a process that dies stops the other within a bounded time."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["model.d_model=32", "model.d_ff=64", "model.seq_len=32", "data.batch_size=8",
+         "data.max_bytes=300000", "eval_batches=1", "progress=false"]
+
+
+def launcher(tmp_path, *overrides):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    cmd = [sys.executable, "-m", "aristax.cli", "launch", "--local-processes", "2",
+           "--grace", "5", "experiments/configs/tiny.yaml", *SMALL,
+           f"out_dir={tmp_path / 'run'}", *overrides]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def losses_of(text: str, process: int) -> list[float]:
+    match = re.search(rf"process {process} losses (\[.*\])", text)
+    assert match, text[-2000:]
+    return json.loads(match.group(1))
+
+
+def test_two_processes_train_together_and_agree(tmp_path):
+    proc = launcher(tmp_path, "steps=3", "eval_every=3", "checkpoint.every=3")
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert "8 devices in 2 process(es)" in out
+    log1 = (tmp_path / "run" / "process_1.log").read_text()
+    first, second = losses_of(out, 0), losses_of(log1, 1)
+    assert len(first) == 3 and first == second
+    assert (tmp_path / "run" / "checkpoints" / "3").is_dir()
+
+
+def test_a_dead_process_stops_the_others(tmp_path):
+    proc = launcher(tmp_path, "steps=100000", "eval_every=100000", "checkpoint.every=100000")
+    pid = None
+    for line in proc.stdout:  # "launch: process 1 pid N", then process 0's output
+        if m := re.match(r"launch: process 1 pid (\d+)", line):
+            pid = int(m.group(1))
+        if pid and line.startswith("aristax train"):  # both have started training
+            break
+    assert pid is not None
+    time.sleep(2)
+    os.kill(pid, signal.SIGKILL)
+    start = time.monotonic()
+    _, err = proc.communicate(timeout=120)
+    assert time.monotonic() - start < 60
+    assert proc.returncode == 1
+    assert f"process 1 (pid {pid}) exited with code -9" in err
