@@ -17,18 +17,7 @@ import jax.numpy as jnp
 
 from aristax.config import accumulation_dtype
 from aristax.pallas_kernels import ragged_dot
-
-_GATES = {
-    "swiglu": jax.nn.silu,
-    "geglu": lambda h: jax.nn.gelu(h, approximate=False),
-}
-
-
-def _hidden(gate: jax.Array | None, up: jax.Array, activation: str) -> jax.Array:
-    """Activation of the float32 pre-activations gate, up [..., F]."""
-    if activation == "gelu":
-        return jax.nn.gelu(up, approximate=False)
-    return _GATES[activation](gate) * up
+from aristax.pallas_kernels.moe_mlp.reference import hidden as _hidden
 
 
 def expert_mlp(

@@ -14,6 +14,7 @@ from aristax import dispatch as dispatch_lib
 from aristax import routing as routing_lib
 from aristax.config import MoEConfig, accumulation_dtype
 from aristax.experts import dense_mlp, expert_mlp
+from aristax.pallas_kernels.moe_mlp import fused_backend, moe_mlp
 
 
 @flax.struct.dataclass
@@ -47,14 +48,18 @@ def make_dispatch(
 ) -> dispatch_lib.Dispatch:
     """Dropless, capacity, or (expert choice) exactly the experts' picks."""
     T = routing.expert_ids.shape[0]
+    if is_dropless(config, T):
+        return dispatch_lib.dropless_dispatch(routing)
     if config.router == "expert_choice":
         # Each expert holds exactly its C picks, in token order: nothing is dropped.
         C = routing_lib.expert_choice_capacity(T, config.router_config)
         return dispatch_lib.capacity_dispatch(routing, C, "position")
-    C = config.capacity(T)
-    if C is None:
-        return dispatch_lib.dropless_dispatch(routing)
-    return dispatch_lib.capacity_dispatch(routing, C, config.drop_policy)
+    return dispatch_lib.capacity_dispatch(routing, config.capacity(T), config.drop_policy)
+
+
+def is_dropless(config: MoEConfig, num_tokens: int) -> bool:
+    """Whether ``make_dispatch`` lays T tokens out dropless (token choice, no capacity)."""
+    return config.router != "expert_choice" and config.capacity(num_tokens) is None
 
 
 def moe(
@@ -95,16 +100,49 @@ def moe(
 
     dtype = jnp.dtype(config.dtype) if config.dtype is not None else x.dtype
     xc = x.astype(dtype)
+    y = routed_experts(xc, routing, dispatch, params, config)
+    if params.shared_up_df is not None:
+        y = y + dense_mlp(xc, params.shared_gate_df, params.shared_up_df,
+                          params.shared_down_fd, activation=config.activation)
+    return y.astype(dtype), moe_aux(routing, logits, dispatch.num_dropped, config, seq_len)
+
+
+def routed_experts(
+    xc: jax.Array,
+    routing: routing_lib.Routing,
+    dispatch: dispatch_lib.Dispatch,
+    params: MoEParams,
+    config: MoEConfig,
+) -> jax.Array:
+    """The routed experts' weighted sum y[T, D] (float32; float64 for float64 xc).
+
+    permute -> ``expert_mlp`` -> combine; on the dropless path, when
+    ``config.implementation`` picks a kernel backend of ``pallas_kernels.moe_mlp``
+    (``moe_mlp.fused_backend``: never for None or "reference" first), the fused op
+    does all three instead. xc: [T, D] in the compute dtype.
+    """
+    fused = None
+    if is_dropless(config, xc.shape[0]):
+        fused = fused_backend(config.implementation, xc, routing.weights, params.up_edf)
+    if fused is not None:
+        gate = None if config.activation == "gelu" else params.gate_edf
+        return moe_mlp(xc, dropless_sort_order(dispatch), routing.weights,
+                       dispatch.group_sizes, gate, params.up_edf, params.down_efd,
+                       activation=config.activation, num_valid=dispatch.num_routed,
+                       implementation=fused)
     rows = dispatch_lib.permute(xc, dispatch)
     out_rows = expert_mlp(
         rows, dispatch.group_sizes, params.gate_edf, params.up_edf, params.down_efd,
         activation=config.activation, implementation=config.implementation,
     )
-    y = dispatch_lib.combine(out_rows, dispatch, routing.weights)
-    if params.shared_up_df is not None:
-        y = y + dense_mlp(xc, params.shared_gate_df, params.shared_up_df,
-                          params.shared_down_fd, activation=config.activation)
-    return y.astype(dtype), moe_aux(routing, logits, dispatch.num_dropped, config, seq_len)
+    return dispatch_lib.combine(out_rows, dispatch, routing.weights)
+
+
+def dropless_sort_order(dispatch: dispatch_lib.Dispatch) -> jax.Array:
+    """int32[T*K] flat slot of each row of a dropless dispatch (the inverse of its
+    ``slot``, a permutation of the T*K slots)."""
+    slots = dispatch.slot.reshape(-1)
+    return jnp.zeros_like(slots).at[slots].set(jnp.arange(slots.shape[0], dtype=slots.dtype))
 
 
 def moe_aux(

@@ -372,7 +372,9 @@ def _expert_weights(e: int, d: int, f: int, seed: int = 21) -> dict[str, jax.Arr
 @pytest.mark.parametrize("name", KERNELS)
 def test_moe_layer_matches_reference_backend(name, monkeypatch):
     """aristax.moe with MoEConfig(implementation=name): the loss, the output and the
-    gradients (tokens and every parameter) equal those with "reference"."""
+    gradients (tokens and every parameter) equal those with "reference". The layer
+    uses a capacity (factor 1), whose experts always run ragged_dot; the
+    dropless path may run the fused moe_mlp instead (tests/pallas_kernels/test_moe_mlp.py)."""
     m, d, f, _ = geometry(name).shape
     dtype = jnp.float32 if refusal(name, jnp.float32, (m, d, f, 4)) is None else jnp.bfloat16
     params = MoEParams(**_expert_weights(4, d, f))
@@ -381,7 +383,7 @@ def test_moe_layer_matches_reference_backend(name, monkeypatch):
 
     @functools.partial(jax.jit, static_argnums=2)
     def value_and_grads(x, params, implementation):
-        cfg = MoEConfig(num_experts=4, top_k=2, d_model=d, d_ff=f,
+        cfg = MoEConfig(num_experts=4, top_k=2, d_model=d, d_ff=f, capacity_factor=1.0,
                         implementation=implementation)
 
         def loss(x, params):

@@ -1,0 +1,266 @@
+"""The front door of the fused expert MLP: validation, backend choice, the custom_vjp.
+
+Letters: T tokens, D model dim, F expert hidden dim, E experts, K slots per token,
+M = T*K rows in expert order.
+
+A backend is a module in this folder with
+  ``check(x, weights, up_edf, *, interpret)``: NotImplementedError with the reason
+      when it cannot serve (forward and backward);
+  ``moe_mlp(x, sort_order, weights, group_sizes, num_valid, gate_edf, up_edf,
+      down_efd, *, activation, tiles, interpret)`` -> y [T, D] float32;
+  ``backward_tiles(tiles)``: the ``ragged_dot`` tiles of its backward GEMMs;
+and its backward runs on the backends of the same name of ``ragged_dot`` and
+``permute``. "reference" is the unfused composition under plain JAX autodiff.
+
+The backward of a kernel backend (``_kernel_bwd``) is unfused and runs on the
+backends of the same name of ``permute`` and ``ragged_dot``. With w_m = weights.flat
+[sort_order[m]] the weight of row m, it recomputes
+  rows = permute(x);  gate, up = rows @ {gate, up}[e];  h = act(gate, up)
+and, for the cotangent dy [T, D] (float32), gathers dy_rows = permute(dy) and uses
+out_rows[m] = h[m] @ down[e] only through g = dy_rows @ down[e]^T ([M, F]):
+  dweights[slot of m] = <h[m], g[m]>     (= <dy[token], out_rows[m]>, no out_rows)
+  dh = w * g;  ddown = tgmm(h, w * dy_rows)
+  dgate, dup = the activation's vjp (jnp) at (gate, up) applied to dh
+  drows = [dgate | dup] @ [gate[e]^T; up[e]^T];  dgate_w, dup_w = tgmm(rows, dgate/dup)
+  dx = permute_bwd(drows)                    (sum of a token's valid rows)
+GEMM operands in the compute dtype, float32 accumulation (as ``ragged_dot``'s own
+custom_vjp); rows past num_valid are zero in rows and dy_rows, so they add nothing.
+sort_order, group_sizes and num_valid get no gradient.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from aristax.pallas_kernels import frontdoor
+from aristax.pallas_kernels.moe_mlp import reference, triton
+from aristax.pallas_kernels.permute import api as permute_api
+from aristax.pallas_kernels.ragged_dot import api as ragged_dot_api
+
+OP = "moe_mlp"
+BACKENDS = {"reference": reference, "triton": triton}
+DEFAULT_ORDER: dict[str, tuple[str, ...]] = {
+    "gpu": ("triton", "reference"),
+    "cuda": ("triton", "reference"),
+    "cpu": ("reference",),
+}
+
+
+def _fail(name: str, expected: str, got: Any) -> None:
+    raise ValueError(f"{OP}: {name} must be {expected}; got {got}")
+
+
+def _shape(arr) -> str:
+    return f"{arr.dtype}{list(arr.shape)}"
+
+
+def _validate(x, sort_order, weights, group_sizes, gate_edf, up_edf, down_efd,
+              activation, num_valid) -> None:
+    """ValueError naming the argument and the expected shape or value."""
+    if activation not in reference.ACTIVATIONS:
+        _fail("activation", f"one of {reference.ACTIVATIONS}", repr(activation))
+    if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
+        _fail("x", "a floating [T, D] array", _shape(x))
+    (T, D) = x.shape
+    if weights.ndim != 2 or weights.shape[0] != T or not jnp.issubdtype(weights.dtype,
+                                                                        jnp.floating):
+        _fail("weights", f"a floating [T, K] = [{T}, K] array (T from x)", _shape(weights))
+    M = T * weights.shape[1]
+    if sort_order.shape != (M,) or not jnp.issubdtype(sort_order.dtype, jnp.integer):
+        _fail("sort_order", f"an integer array of shape [T*K] = [{M}]", _shape(sort_order))
+    if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        _fail("group_sizes", "an integer array of shape [E]", _shape(group_sizes))
+    E = group_sizes.shape[0]
+    if up_edf.ndim != 3 or up_edf.shape[:2] != (E, D):
+        _fail("up_edf", f"[E, D, F] = [{E}, {D}, F] (E from group_sizes, D from x)",
+              _shape(up_edf))
+    F = up_edf.shape[2]
+    if down_efd.shape != (E, F, D):
+        _fail("down_efd", f"[E, F, D] = [{E}, {F}, {D}]", _shape(down_efd))
+    gated = activation in reference.GATED
+    if gated and (gate_edf is None or gate_edf.shape != up_edf.shape):
+        _fail("gate_edf", f"[E, D, F] = [{E}, {D}, {F}] for {activation!r}",
+              None if gate_edf is None else _shape(gate_edf))
+    if not gated and gate_edf is not None:
+        _fail("gate_edf", "None for 'gelu'", _shape(gate_edf))
+    if num_valid is not None and jnp.shape(num_valid) not in ((), (1,)):
+        _fail("num_valid", "a scalar or None", f"shape {jnp.shape(num_valid)}")
+
+
+def _serving(names: Sequence[str], x, weights, up_edf, interpret: bool) -> str:
+    """The first of ``names`` whose ``check`` accepts these operands."""
+    def accepts(name):
+        def check(*args):
+            BACKENDS[name].check(*args, interpret=interpret)
+            return name
+        return check
+    return frontdoor.call_first(OP, {n: accepts(n) for n in names}, names,
+                                x, weights, up_edf)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
+def _kernel_moe_mlp(x, sort_order, weights, group_sizes, nv, gate, up, down,
+                    name, activation, interpret, tiles):
+    """y [T, D] float32 by backend ``name``'s fused kernels."""
+    return BACKENDS[name].moe_mlp(x, sort_order, weights, group_sizes, nv, gate, up, down,
+                                  activation=activation, tiles=tiles, interpret=interpret)
+
+
+def _kernel_fwd(x, sort_order, weights, group_sizes, nv, gate, up, down,
+                name, activation, interpret, tiles):
+    y = _kernel_moe_mlp(x, sort_order, weights, group_sizes, nv, gate, up, down,
+                        name, activation, interpret, tiles)
+    return y, (x, sort_order, weights, group_sizes, nv, gate, up, down)
+
+
+def _gemms(name: str, group_sizes, tiles, interpret: bool):
+    """(gmm, tgmm) of ragged_dot's backend ``name`` bound to group_sizes and tiles."""
+    backend = ragged_dot_api.BACKENDS[name]
+    kw = dict(tiles=tiles, interpret=interpret)
+    return (lambda lhs, rhs, dt: backend.gmm(lhs, rhs, group_sizes, out_dtype=dt, **kw),
+            lambda lhs, dout, dt: backend.tgmm(lhs, dout, group_sizes, out_dtype=dt, **kw))
+
+
+def _transposed(w):
+    """[E, A, B] -> [E, B, A]."""
+    return jnp.swapaxes(w, 1, 2)
+
+
+def _hidden_and_vjp(gmm, rows, gate, up, activation: str):
+    """(h [M, F] float32, its vjp over the pre-activations) recomputed from rows."""
+    up_pre = gmm(rows, up, jnp.float32)
+    if gate is None:
+        return jax.vjp(lambda u: reference.hidden(None, u, activation), up_pre)
+    return jax.vjp(lambda g, u: reference.hidden(g, u, activation),
+                   gmm(rows, gate, jnp.float32), up_pre)
+
+
+def _slot_values(values, sort_order, shape):
+    """[T, K] from per-row values [M]: out.flat[sort_order[m]] = values[m]."""
+    return jnp.zeros_like(values).at[sort_order].set(values).reshape(shape)
+
+
+def _kernel_bwd(name, activation, interpret, tiles, residuals, dy):
+    """Gradients for x, weights, gate, up, down (module docstring); None for the
+    integer arguments."""
+    x, sort_order, weights, group_sizes, nv, gate, up, down = residuals
+    dtype, top_k, f32 = x.dtype, weights.shape[1], jnp.float32
+    gmm, tgmm = _gemms(name, group_sizes, BACKENDS[name].backward_tiles(tiles), interpret)
+    permute = functools.partial(permute_api.PERMUTE[name], sort_order=sort_order,
+                                num_valid=nv, top_k=top_k, interpret=interpret)
+    rows = permute(x)
+    h, act_vjp = _hidden_and_vjp(gmm, rows, gate, up, activation)
+    h = h.astype(dtype)
+    dy_rows = permute(dy.astype(f32))  # [M, D], zero past nv
+    g = gmm(dy_rows.astype(dtype), _transposed(down), f32)
+    w = jnp.take(weights.reshape(-1).astype(f32), sort_order)[:, None]
+    dweights = _slot_values(jnp.sum(h.astype(f32) * g, axis=1), sort_order, weights.shape)
+    ddown = tgmm(h, (w * dy_rows).astype(dtype), down.dtype)
+    dh = (w * g).astype(dtype).astype(f32)  # h entered the down GEMM in the compute dtype
+    d_pre = [d.astype(dtype) for d in act_vjp(dh)]
+    mats = (up,) if gate is None else (gate, up)
+    # One GEMM over [dgate | dup] [M, 2F] and [gate^T; up^T] [E, 2F, D]: the concat
+    # fuses with the transposes that separate GEMMs would copy anyway.
+    drows = gmm(jnp.concatenate(d_pre, axis=1),
+                jnp.concatenate([_transposed(m) for m in mats], axis=1), f32)
+    dmats = [tgmm(rows, d, m.dtype) for d, m in zip(d_pre, mats)]
+    dx = permute_api.PERMUTE_BWD[name](drows, sort_order, nv, top_k=top_k, x_dtype=dtype,
+                                       interpret=interpret)
+    dgate, dup = (None, dmats[0]) if gate is None else dmats
+    return (dx, None, dweights.astype(weights.dtype), None, None, dgate, dup, ddown)
+
+
+_kernel_moe_mlp.defvjp(_kernel_fwd, _kernel_bwd)
+
+
+def _tiles_for(tiles: Any, name: str) -> Any:
+    """A mapping {backend name: tiles} gives that backend's entry; else as is."""
+    return tiles.get(name) if isinstance(tiles, Mapping) else tiles
+
+
+def fused_backend(implementation: frontdoor.Implementation, x, weights, up_edf, *,
+                  interpret: bool | None = None) -> str | None:
+    """The kernel backend ``moe_mlp`` would run for ``implementation``, or None.
+
+    None for ``implementation=None`` (callers keep their unfused path), when
+    "reference" comes before any kernel that serves, or when every kernel refuses.
+    Names that this op does not register but ``ragged_dot`` does (e.g. "mosaic_gpu")
+    are skipped; others raise ValueError. x [T, D], weights [T, K], up_edf [E, D, F]
+    as in ``moe_mlp``.
+    """
+    if implementation is None:
+        return None
+    known = {**ragged_dot_api.BACKENDS, **BACKENDS}
+    names = frontdoor.candidates(OP, known, DEFAULT_ORDER, implementation)
+    interpret = frontdoor.resolve_interpret(interpret)
+    for name in (n for n in names if n in BACKENDS):
+        if name == "reference":
+            return None
+        try:
+            BACKENDS[name].check(x, weights, up_edf, interpret=interpret)
+        except NotImplementedError:
+            continue
+        return name
+    return None
+
+
+def moe_mlp(
+    x: jax.Array,
+    sort_order: jax.Array,
+    weights: jax.Array,
+    group_sizes: jax.Array,
+    gate_edf: jax.Array | None,
+    up_edf: jax.Array,
+    down_efd: jax.Array,
+    *,
+    activation: str,
+    num_valid: jax.Array | int | None = None,
+    implementation: frontdoor.Implementation = None,
+    interpret: bool | None = None,
+    tiles: Any = None,
+) -> jax.Array:
+    """The routed experts of the dropless MoE, from tokens to the combined output.
+
+    rows[m] = x[sort_order[m] // K] (expert order); h = act(rows @ gate[e],
+    rows @ up[e]) per expert group; out_rows = h @ down[e];
+    y[t] = sum_k weights[t, k] * out_rows[row of slot t*K + k]. Rows at or past
+    ``num_valid`` contribute nothing. Equals ``aristax.moe``'s dropless path
+    (permute -> expert_mlp -> combine), casts included.
+
+    Args:
+      x: [T, D] tokens in the compute dtype. sort_order: int[T*K] flat slot of each
+        row in expert order (``route``). weights: [T, K] combine weights.
+      group_sizes: int[E] rows per expert.
+      gate_edf: [E, D, F] ("swiglu", "geglu") or None ("gelu"). up_edf: [E, D, F].
+        down_efd: [E, F, D]. Cast to x's dtype (their gradients flow back through
+        the cast).
+      activation: "swiglu" | "geglu" | "gelu" (exact erf GELU).
+      num_valid: routed rows (default ``sum(group_sizes)``).
+      implementation: backend name or ordered list ("triton", "reference"); None =
+        the platform default ("triton" then "reference" on GPU, "reference" on CPU).
+      interpret: Pallas interpret mode; None = iff the default backend is the CPU
+        (pass False to lower the real kernels, e.g. under ``jax.export``).
+      tiles: ``triton.MoeMlpTiles``, a mapping {backend: tiles}, or None (heuristic).
+    Returns:
+      y [T, D] in the accumulation dtype (float32; float64 for float64 inputs).
+      Differentiable in x, weights, gate_edf, up_edf and down_efd.
+    """
+    _validate(x, sort_order, weights, group_sizes, gate_edf, up_edf, down_efd,
+              activation, num_valid)
+    gate, up, down = (None if w is None else w.astype(x.dtype)
+                      for w in (gate_edf, up_edf, down_efd))
+    sort_order, group_sizes = sort_order.astype(jnp.int32), group_sizes.astype(jnp.int32)
+    names = frontdoor.candidates(OP, BACKENDS, DEFAULT_ORDER, implementation)
+    interpret = frontdoor.resolve_interpret(interpret)
+    name = _serving(names, x, weights, up, interpret)
+    if name == "reference":
+        return reference.moe_mlp(x, sort_order, weights, group_sizes, gate, up, down,
+                                 activation=activation, num_valid=num_valid)
+    nv = reference.valid_rows(num_valid, group_sizes)
+    return _kernel_moe_mlp(x, sort_order, weights, group_sizes, nv, gate, up, down,
+                           name, activation, interpret, _tiles_for(tiles, name))

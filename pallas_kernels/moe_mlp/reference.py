@@ -1,0 +1,95 @@
+"""Reference fused expert MLP: the unfused composition of the reference ops.
+
+Letters: T tokens, D model dim, F expert hidden dim, E experts, K slots per token,
+M = T*K rows in expert order.
+
+  rows     = permute(x, sort_order)                    [M, D]   compute dtype
+  gate, up = ragged_dot(rows, gate_e), (rows, up_e)    [M, F]   float32
+  h        = act(gate, up)                             [M, F]   float32, then cast
+  out_rows = ragged_dot(h, down_e)                     [M, D]   float32
+  y        = combine(out_rows, sort_order, weights)    [T, D]   float32
+
+with the casts of ``aristax.experts.expert_mlp`` (rows and h in the compute dtype =
+x's dtype, float32 accumulation; float64 throughout for float64 x). This is the test
+oracle: its gradients are plain JAX autodiff of ``permute.reference``,
+``ragged_dot.reference`` and ``combine``.
+
+Activations (Shazeer 2020, "GLU Variants Improve Transformer", eq. 6 and ibid.):
+  swiglu: silu(gate) * up;  geglu: gelu(gate) * up;  gelu: gelu(up)
+with the exact (erf) GELU, as torch's default.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from aristax.pallas_kernels.permute import reference as permute_ref
+from aristax.pallas_kernels.ragged_dot import reference as ragged_dot_ref
+
+ACTIVATIONS = ("swiglu", "geglu", "gelu")
+GATED = ("swiglu", "geglu")
+
+
+def hidden(gate: jax.Array | None, up: jax.Array, activation: str) -> jax.Array:
+    """The expert activation of the pre-activations gate, up [..., F] (gate unused,
+    and may be None, for "gelu"). The one place this formula lives."""
+    if activation == "gelu":
+        return jax.nn.gelu(up, approximate=False)
+    if activation == "swiglu":
+        return jax.nn.silu(gate) * up
+    if activation == "geglu":
+        return jax.nn.gelu(gate, approximate=False) * up
+    raise ValueError(f"activation={activation!r} is invalid: choose one of {ACTIVATIONS}")
+
+
+def check(x: jax.Array, weights: jax.Array, up_edf: jax.Array, *,
+          interpret: bool = False) -> None:
+    """The reference serves every call the front door validated."""
+    del x, weights, up_edf, interpret
+
+
+def valid_rows(num_valid: jax.Array | int | None, group_sizes: jax.Array) -> jax.Array:
+    """int32[]: the routed rows (``sum(group_sizes)`` when ``num_valid`` is None)."""
+    if num_valid is None:
+        return jnp.sum(group_sizes, dtype=jnp.int32)
+    return jnp.asarray(num_valid, jnp.int32).reshape(())
+
+
+def moe_mlp(
+    x: jax.Array,
+    sort_order: jax.Array,
+    weights: jax.Array,
+    group_sizes: jax.Array,
+    gate_edf: jax.Array | None,
+    up_edf: jax.Array,
+    down_efd: jax.Array,
+    *,
+    activation: str,
+    num_valid: jax.Array | int | None = None,
+) -> jax.Array:
+    """y[t] = sum_k weights[t, k] * mlp_{e(t,k)}(x[t]) over the routed slots.
+
+    Args:
+      x: [T, D] in the compute dtype. sort_order: int32[M] flat slot of each row in
+        expert order. weights: [T, K]. group_sizes: int32[E] rows per expert.
+      gate_edf: [E, D, F] or None ("gelu"). up_edf: [E, D, F]. down_efd: [E, F, D]
+        (cast to x's dtype). activation: "swiglu" | "geglu" | "gelu".
+      num_valid: rows that take part (default ``sum(group_sizes)``); rows at or past
+        it contribute nothing.
+    Returns:
+      y [T, D] in the accumulation dtype (float32, float64 for float64 inputs).
+    """
+    top_k = weights.shape[1]
+    dtype = x.dtype
+    acc = permute_ref.accumulation_dtype(dtype)
+    nv = valid_rows(num_valid, group_sizes)
+
+    def gemm(lhs, rhs):
+        return ragged_dot_ref.ragged_dot(lhs, rhs.astype(dtype), group_sizes,
+                                         preferred_element_type=acc)
+
+    rows = permute_ref.permute(x, sort_order, nv, top_k=top_k)
+    gate = None if gate_edf is None else gemm(rows, gate_edf)
+    out_rows = gemm(hidden(gate, gemm(rows, up_edf), activation).astype(dtype), down_efd)
+    return permute_ref.combine(out_rows, sort_order, weights, nv)

@@ -1,0 +1,303 @@
+"""pallas_kernels.moe_mlp: every kernel backend against the reference (outputs and
+jax.vjp gradients for x, weights and the three expert weights), the hard routings,
+front-door errors, CUDA lowering on this CPU machine, and ``aristax.moe`` with
+``MoEConfig(implementation=<kernel>)`` against ``implementation="reference"``.
+
+Tests are parametrized over ``KERNELS`` (the registered backends but "reference"),
+so a backend registered later runs them too; on CPU the kernels run in Pallas
+interpret mode. Routings, weights and num_valid are traced data: all routing cases
+of one (backend, shape, dtype, activation) share one compiled program.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+from aristax import MoEConfig, MoEParams, moe
+from aristax.pallas_kernels import moe_mlp
+from aristax.pallas_kernels.moe_mlp import MoeMlpTiles, api, fused_backend
+from aristax.pallas_kernels.ragged_dot.triton import KernelTiles, TritonTiles
+
+KERNELS = [name for name in api.BACKENDS if name != "reference"]
+# (T, D, F, E, K): T odd, T*K, D and F not multiples of the 16-row / 16..32 tiles.
+SHAPE = (19, 24, 40, 5, 2)
+SHAPE_K_EQ_E = (7, 24, 40, 3, 3)  # K = E
+TILES = {"triton": MoeMlpTiles(
+    gate_up=KernelTiles(16, 32, 16, 4, 2), down=KernelTiles(16, 16, 16, 4, 2),
+    backward=TritonTiles(block_m=16, block_n=32, block_k=16, block_m_tgmm=16,
+                         block_k_tgmm=32, block_n_tgmm=16))}
+# Every activation, both dtypes (bf16 operands accumulate in float32), K = E.
+COMBOS = [("swiglu", jnp.bfloat16, SHAPE), ("gelu", jnp.float32, SHAPE),
+          ("geglu", jnp.bfloat16, SHAPE_K_EQ_E)]
+UNROUTED = 10_000  # key of an unrouted slot: sorts after every expert
+TRITON_CUDA = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+
+
+def layout(keys: np.ndarray, num_experts: int, num_valid: int | None = None):
+    """(sort_order int32[T*K], group_sizes int32[E], num_valid) of expert keys [T, K]:
+    the stable sort of the slots by expert, unrouted slots (UNROUTED) last."""
+    flat = keys.reshape(-1)
+    order = np.argsort(flat, kind="stable").astype(np.int32)
+    sizes = np.bincount(flat[flat != UNROUTED], minlength=num_experts).astype(np.int32)
+    return order, sizes, np.int32(sizes.sum() if num_valid is None else num_valid)
+
+
+def routings(T: int, E: int, K: int, seed: int = 0) -> dict[str, tuple]:
+    """Named hard routings of T tokens, top-K of E (distinct experts per token)."""
+    rng = np.random.default_rng(seed)
+    topk = np.stack([rng.permutation(E)[:K] for _ in range(T)])
+    cases = {"random": layout(topk, E)}
+    if K < E:
+        cases["empty_experts"] = layout(np.tile(np.arange(K), (T, 1)), E)
+        one = np.full((T, K), UNROUTED)
+        one[:, 0] = E - 2  # every token on one expert; num_valid = T < T*K
+        cases["one_expert"] = layout(one, E)
+    unrouted = topk.copy()
+    unrouted[[1, T - 2]] = UNROUTED
+    cases["unrouted_tokens"] = layout(unrouted, E)
+    order, sizes, nv = layout(topk, E)
+    cases["num_valid_below_sum"] = (order, sizes, np.int32(nv - 5))
+    cases["nothing_routed"] = layout(np.full((T, K), UNROUTED), E)
+    return cases
+
+
+def operands(shape, dtype, seed: int):
+    """x [T, D] in dtype; weights [T, K], gate/up [E, D, F], down [E, F, D] float32
+    parameters; dy [T, D] float32 (NumPy draws: no compile per shape)."""
+    T, D, F, E, K = shape
+    rng = np.random.default_rng(seed)
+
+    def normal(*s, scale=1.0):
+        return jnp.asarray((rng.standard_normal(s) * scale).astype(np.float32))
+    x = normal(T, D).astype(dtype)
+    weights = jnp.asarray(rng.uniform(0.1, 1.0, (T, K)).astype(np.float32))
+    return (x, weights, normal(E, D, F, scale=0.3), normal(E, D, F, scale=0.3),
+            normal(E, F, D, scale=0.3), normal(T, D))
+
+
+@functools.cache
+def vjp_fn(name: str, activation: str):
+    """jit((x, weights, gate, up, down, order, sizes, nv, dy) -> (y, grads)) through
+    the front door with backend ``name``; grads for x, weights, gate, up, down."""
+    def f(x, weights, gate, up, down, order, sizes, nv, dy):
+        def op(x, weights, gate, up, down):
+            return moe_mlp(x, order, weights, sizes, gate, up, down, activation=activation,
+                           num_valid=nv, implementation=name, tiles=TILES.get(name))
+        gate = None if activation == "gelu" else gate
+        y, pullback = jax.vjp(op, x, weights, gate, up, down)
+        return y, pullback(dy)
+    return jax.jit(f)
+
+
+def assert_close(got, want, dtype, case: str):
+    """Leaf by leaf (NumPy: no compiles), atol relative to the leaf's scale; bf16
+    operands round at 2^-8 and the kernel backward rounds at other points than
+    autodiff of the reference."""
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+    for i, (a, b) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want))):
+        assert a.dtype == b.dtype, (case, i, a.dtype, b.dtype)
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        scale = max(1.0, float(np.abs(b).max(initial=0.0)))
+        np.testing.assert_allclose(a, b, atol=tol * scale, rtol=tol, err_msg=f"{case}: {i}")
+
+
+def check_against_reference(name, shape, activation, dtype, seed):
+    T, D, F, E, K = shape
+    x, weights, gate, up, down, dy = operands(shape, dtype, seed)
+    for case, (order, sizes, nv) in routings(T, E, K, seed).items():
+        xs = x
+        if case == "unrouted_tokens":  # tokens routed nowhere may hold NaN (router)
+            xs = np.array(x, np.float32)
+            xs[[1, T - 2]] = np.nan
+            xs = jnp.asarray(xs, dtype)
+        args = (xs, weights, gate, up, down, order, sizes, nv, dy)
+        got = vjp_fn(name, activation)(*args)
+        want = vjp_fn("reference", activation)(*args)
+        assert got[0].shape == (T, D) and got[0].dtype == jnp.float32, case
+        assert_close(got, want, dtype, case)
+        y, (dx, dweights, *_) = got
+        if case == "nothing_routed":
+            for leaf in jax.tree.leaves(got):
+                np.testing.assert_array_equal(np.asarray(leaf, np.float32), 0.0, case)
+        if case == "unrouted_tokens":  # tokens 1 and T-2 take no part, NaN or not
+            for leaf in (y, dx, dweights):
+                np.testing.assert_array_equal(np.asarray(leaf, np.float32)[[1, T - 2]], 0.0)
+
+
+@pytest.mark.parametrize("activation, dtype, shape", COMBOS,
+                         ids=[f"{a}-{jnp.dtype(d)}-K{s[4]}-E{s[3]}" for a, d, s in COMBOS])
+@pytest.mark.parametrize("name", KERNELS)
+def test_matches_reference_and_gradients(name, activation, dtype, shape):
+    check_against_reference(name, shape, activation, dtype, seed=1)
+
+
+@pytest.mark.parametrize("name", KERNELS)
+def test_backend_choice_and_fallback(name, monkeypatch):
+    T, D, F, E, K = SHAPE
+    x, weights, gate, up, down, _ = operands(SHAPE, jnp.float32, 3)
+    order, sizes, _ = routings(T, E, K)["random"]
+
+    def call(impl, x=x, weights=weights):
+        return jax.eval_shape(lambda: moe_mlp(x, order, weights, sizes, gate, up, down,
+                                              activation="swiglu", implementation=impl))
+    wide = jnp.ones((T, 65), jnp.float32)  # K > MAX_TOP_K: the kernels refuse
+    wide_order = np.arange(T * 65, dtype=np.int32)
+    with pytest.raises(NotImplementedError, match=f"{name}: .*top_k=65"):
+        jax.eval_shape(lambda: moe_mlp(x, wide_order, wide, sizes, gate, up, down,
+                                       activation="swiglu", implementation=name))
+    assert jax.eval_shape(lambda: moe_mlp(x, wide_order, wide, sizes, gate, up, down,
+                                          activation="swiglu",
+                                          implementation=[name, "reference"])).shape == (T, D)
+    calls = []
+    real = api.BACKENDS[name]
+    monkeypatch.setitem(api.BACKENDS, name, types.SimpleNamespace(
+        check=real.check, backward_tiles=real.backward_tiles,
+        moe_mlp=lambda *a, **k: calls.append(1) or real.moe_mlp(*a, **k)))
+    assert call(name).dtype == jnp.float32 and calls == [1]
+    call(None)  # the CPU default is the reference
+    assert calls == [1]
+    assert fused_backend(None, x, weights, up) is None
+    assert fused_backend("reference", x, weights, up) is None
+    assert fused_backend(["reference", name], x, weights, up) is None
+    assert fused_backend(["mosaic_gpu", name, "reference"], x, weights, up) == name
+    assert fused_backend([name], x, wide, up) is None
+    with pytest.raises(ValueError, match="implementation"):
+        fused_backend([name, "nope"], x, weights, up)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(implementation="nope"), "implementation"),
+        (dict(activation="relu"), "activation must be one of"),
+        (dict(x=jnp.zeros((4,))), r"x must be a floating \[T, D\]"),
+        (dict(x=jnp.zeros((4, 3), jnp.int32)), r"x must be a floating \[T, D\]"),
+        (dict(weights=jnp.zeros((5, 2))), r"weights must be .*\[T, K\] = \[4, K\]"),
+        (dict(sort_order=jnp.arange(7)), r"sort_order must be .*\[T\*K\] = \[8\]"),
+        (dict(sort_order=jnp.zeros(8)), "sort_order must be an integer array"),
+        (dict(group_sizes=jnp.zeros((2, 3), jnp.int32)), r"group_sizes must be .*\[E\]"),
+        (dict(up_edf=jnp.zeros((2, 3, 5))), r"up_edf must be \[E, D, F\] = \[3, 3, F\]"),
+        (dict(down_efd=jnp.zeros((3, 3, 5))), r"down_efd must be \[E, F, D\] = \[3, 5, 3\]"),
+        (dict(gate_edf=None), r"gate_edf must be \[E, D, F\] = \[3, 3, 5\] for 'swiglu'"),
+        (dict(activation="gelu"), "gate_edf must be None for 'gelu'"),
+        (dict(num_valid=jnp.zeros(3, jnp.int32)), "num_valid must be a scalar"),
+    ],
+)
+def test_front_door_errors(change, match):
+    args = dict(x=jnp.zeros((4, 3)), sort_order=jnp.arange(8), weights=jnp.zeros((4, 2)),
+                group_sizes=jnp.zeros(3, jnp.int32), gate_edf=jnp.zeros((3, 3, 5)),
+                up_edf=jnp.zeros((3, 3, 5)), down_efd=jnp.zeros((3, 5, 3)),
+                activation="swiglu")
+    args.update(change)
+    with pytest.raises(ValueError, match=match):
+        moe_mlp(**args)
+
+
+def test_tiles_validate_and_fit_shapes():
+    with pytest.raises(ValueError, match="MoeMlpTiles.gate_up: .*block_m"):
+        MoeMlpTiles(gate_up=KernelTiles(24, 64, 32, 4, 2))
+    with pytest.raises(ValueError, match="MoeMlpTiles.backward"):
+        MoeMlpTiles(backward=KernelTiles(16, 16, 16, 4, 2))
+    tiles = MoeMlpTiles.for_shape(8 * 4096, 4096, 14336, jnp.bfloat16)
+    assert tiles.gate_up.block_n == 64 and tiles.down.block_n == 128
+    assert MoeMlpTiles.for_shape(40, 24, 40, jnp.float32, gated=False).gate_up.block_n == 64
+
+
+EXPORT_CASES = [  # (dtype, activation, (T, D, F, E, K), use TILES?)
+    (jnp.float32, "swiglu", (19, 24, 40, 5, 2), True),
+    (jnp.float16, "gelu", (33, 200, 48, 4, 1), False),
+    (jnp.bfloat16, "geglu", (256, 256, 512, 8, 8), False),
+]
+
+
+@pytest.mark.parametrize("name", KERNELS)
+@pytest.mark.parametrize("case", EXPORT_CASES,
+                         ids=lambda c: f"{jnp.dtype(c[0])}-{c[1]}-{'x'.join(map(str, c[2]))}")
+def test_exported_cuda_lowering(name, case):
+    """The real kernels lower for CUDA: the fused forward, and the backward's grouped
+    GEMMs and permute/combine kernels."""
+    dtype, activation, (T, D, F, E, K), tiled = case
+    tiles = TILES.get(name) if tiled else None
+
+    def loss(x, weights, gate, up, down, order, sizes, nv):
+        y = moe_mlp(x, order, weights, sizes, None if activation == "gelu" else gate, up,
+                    down, activation=activation, num_valid=nv, implementation=name,
+                    interpret=False, tiles=tiles)
+        return jnp.sum(y * y), y
+
+    S = jax.ShapeDtypeStruct
+    avals = (S((T, D), dtype), S((T, K), jnp.float32), S((E, D, F), dtype),
+             S((E, D, F), dtype), S((E, F, D), dtype), S((T * K,), jnp.int32),
+             S((E,), jnp.int32), S((), jnp.int32))
+    forward = jax.jit(lambda *a: loss(*a)[1])
+    backward = jax.jit(jax.grad(lambda *a: loss(*a)[0], argnums=(0, 1, 2, 3, 4)))
+    kernels = {forward: ("moe_mlp_gate_up", "moe_mlp_down_combine"),
+               backward: ("ragged_dot_gmm", "ragged_dot_tgmm", "permute_gather",
+                          "inverse_order", "combine_gather_sum")}
+    for fn, names in kernels.items():
+        text = export.export(fn, platforms=["cuda"], disabled_checks=TRITON_CUDA)(
+            *avals).mlir_module()
+        for kernel in names:
+            assert kernel in text, kernel
+
+
+LAYER_CASES = {  # name -> MoEConfig overrides (num_experts=4, d_model=24, d_ff=40)
+    "dropless_top2_swiglu_shared": dict(top_k=2, num_shared_experts=1,
+                                        normalize_weights=True),
+    "capacity_top1_gelu": dict(top_k=1, activation="gelu", capacity_factor=0.75),
+}
+
+
+def layer_params(cfg: MoEConfig, seed: int) -> MoEParams:
+    """Random MoEParams for ``cfg`` (router scaled so the routing is decisive)."""
+    rng = np.random.default_rng(seed)
+    E, D, F, Fs = cfg.num_experts, cfg.d_model, cfg.d_ff, cfg.shared_width
+    gated = cfg.activation != "gelu"
+
+    def normal(*s, scale=0.3):
+        return jnp.asarray((rng.standard_normal(s) * scale).astype(np.float32))
+    return MoEParams(
+        router_de=normal(D, E, scale=1.0), up_edf=normal(E, D, F), down_efd=normal(E, F, D),
+        gate_edf=normal(E, D, F) if gated else None,
+        shared_up_df=normal(D, Fs) if Fs else None,
+        shared_down_fd=normal(Fs, D) if Fs else None,
+        shared_gate_df=normal(D, Fs) if Fs and gated else None)
+
+
+@pytest.mark.parametrize("case", sorted(LAYER_CASES))
+@pytest.mark.parametrize("name", KERNELS)
+def test_moe_layer_matches_reference_backend(name, case, monkeypatch):
+    """aristax.moe with MoEConfig(implementation=name) equals implementation=
+    "reference": output, aux and gradients (x and every parameter). The dropless
+    cases run the fused op, the capacity case the grouped GEMM."""
+    cfg = MoEConfig(num_experts=4, d_model=24, d_ff=40, **LAYER_CASES[case])
+    params = layer_params(cfg, seed=4)
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((19, 24)).astype(np.float32))
+    calls = []
+    real = api.BACKENDS[name]
+    monkeypatch.setitem(api.BACKENDS, name, types.SimpleNamespace(
+        check=real.check, backward_tiles=real.backward_tiles,
+        moe_mlp=lambda *a, **k: calls.append(1) or real.moe_mlp(*a, **k)))
+
+    @functools.partial(jax.jit, static_argnums=2)
+    def value_and_grads(x, params, implementation):
+        config = cfg.replace(implementation=implementation)
+
+        def loss(x, params):
+            y, aux = moe(x, params, config)
+            return jnp.sum(jnp.square(y)) + aux["loss"], (y, aux)
+        return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, params)
+
+    got, want = (value_and_grads(x, params, impl) for impl in (name, "reference"))
+    assert len(calls) == (0 if cfg.capacity_factor else 1)
+    for leaf, ref in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        scale = max(1.0, float(jnp.max(jnp.abs(ref.astype(jnp.float32)))))
+        chex.assert_trees_all_close(leaf, ref, atol=1e-4 * scale, rtol=1e-4)
