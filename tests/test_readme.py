@@ -22,3 +22,9 @@ def test_readme_example_trains(capsys):
         exec(compile(code, "README.md", "exec"), {})
     losses = [float(line.split()[1]) for line in capsys.readouterr().out.splitlines()]
     assert len(losses) == 5 and losses[-1] < losses[0]
+
+
+def test_main_job_is_aristax_train_on_a_shipped_config():
+    job = re.search(r"```bash\n(.*aristax train (\S+))\n```", README)
+    assert job, "the README's first command must run `aristax train CONFIG`"
+    assert (ROOT / job.group(2)).is_file()
