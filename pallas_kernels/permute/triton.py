@@ -27,13 +27,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from aristax.pallas_kernels.tiling import next_pow2
+
 MAX_TOP_K = 64  # the slot loops are unrolled
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-
-
-def next_pow2(n: int) -> int:
-    """Smallest power of two >= n (>= 1)."""
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 @dataclasses.dataclass(frozen=True)

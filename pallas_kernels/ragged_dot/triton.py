@@ -33,12 +33,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from aristax.pallas_kernels.tiling import is_pow2
+
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 MIN_TILE = 16  # Triton's tl.dot needs every dot dimension >= 16.
-
-
-def _is_pow2(x: int) -> bool:
-    return isinstance(x, int) and x > 0 and x & (x - 1) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,10 +81,10 @@ class TritonTiles:
     def __post_init__(self):
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name.startswith("block_") and not (_is_pow2(value) and value >= MIN_TILE):
+            if field.name.startswith("block_") and not (is_pow2(value) and value >= MIN_TILE):
                 raise ValueError(f"TritonTiles.{field.name}={value!r} must be a power of 2 "
                                  f">= {MIN_TILE}")
-            if field.name.startswith("num_warps") and not _is_pow2(value):
+            if field.name.startswith("num_warps") and not is_pow2(value):
                 raise ValueError(f"TritonTiles.{field.name}={value!r} must be a power of 2")
             if field.name.startswith("num_stages") and not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"TritonTiles.{field.name}={value!r} must be an int >= 1")

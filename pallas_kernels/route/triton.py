@@ -30,14 +30,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from aristax.pallas_kernels.route.reference import RouteOutput
+from aristax.pallas_kernels.tiling import next_pow2
 
 MAX_EXPERTS = 1024  # Ep x BT tiles beyond this spill registers; fall back instead.
 MAX_TOP_K = 64  # the top-k rounds are unrolled
-
-
-def next_pow2(n: int) -> int:
-    """Smallest power of two >= n (>= 1)."""
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 @dataclasses.dataclass(frozen=True)
