@@ -13,7 +13,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from aristax.parallel import expert_axes_of, initialize_distributed, mesh_from_plan
+from aristax.parallel import (expert_axes_of, initialize_distributed, mesh_from_plan,
+                              resolve_distributed)
 from aristax.planner import ModelSpec, make_plan
 from aristax.planner.topology import PRESETS, Topology, uniform
 from aristax.sharding import EXPERT_AXIS
@@ -24,7 +25,8 @@ def start_processes(cfg: TrainConfig) -> None:
     """Before any JAX computation: simulated CPU devices (``parallel.devices``, split
     over the processes) and, when ARISTAX_*/JAX_*/SLURM settings say so, the
     multi-process runtime with gloo CPU collectives."""
-    num_processes = int(os.environ.get("ARISTAX_NUM_PROCESSES", "1"))
+    settings = resolve_distributed(os.environ)
+    num_processes = 1 if settings is None else settings["num_processes"]
     devices = cfg.parallel.devices
     if devices and os.environ.get("JAX_PLATFORMS", "cpu") in ("cpu", ""):
         if devices % num_processes:
