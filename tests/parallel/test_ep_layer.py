@@ -11,6 +11,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from aristax import MoE, MoEConfig
 from aristax.parallel import expert_parallel_moe
+from test_expert_parallel import per_shard_moe
 
 B, S, D = 4, 8, 16
 
@@ -34,12 +35,18 @@ def test_set_mesh_routes_to_expert_parallel():
     x = jax.random.normal(jax.random.key(1), (B, S, D))
     module = build(cfg)
     y_single, aux_single = apply(module, x)
+    # the independent reference: the single-device layer on each of the 8 source shards
+    y_ref, aux_ref = jax.jit(lambda x: per_shard_moe(x.reshape(-1, D), module.params(), cfg,
+                                                     8))(x)
     with jax.set_mesh(mesh):
         y_mesh, aux_mesh = apply(module, x)
     y_ep, aux_ep = jax.jit(lambda x: expert_parallel_moe(
         x.reshape(-1, D), module.params(), cfg, mesh, seq_len=S))(x)
     np.testing.assert_allclose(np.asarray(y_mesh).reshape(-1, D), np.asarray(y_ep), atol=1e-6)
     assert int(aux_mesh["num_dropped"]) == int(aux_ep["num_dropped"])
+    np.testing.assert_allclose(np.asarray(y_mesh).reshape(-1, D), np.asarray(y_ref),
+                               atol=2e-5, rtol=2e-5)
+    assert int(aux_mesh["num_dropped"]) == int(np.sum(aux_ref["num_dropped"])) > 0
     assert int(aux_mesh["num_dropped"]) != int(aux_single["num_dropped"])
     assert aux_mesh["router_logits"].shape == (B, S, 8)
     np.testing.assert_allclose(float(aux_mesh["lb_loss"]), float(aux_single["lb_loss"]),

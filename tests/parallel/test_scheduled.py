@@ -13,7 +13,7 @@ from aristax.parallel import (complete_rounds, expert_parallel_moe, rounds_from_
                               scheduled_all_to_all)
 from aristax.planner import ModelSpec, make_plan
 from aristax.planner.topology import uniform
-from test_expert_parallel import make_mesh, make_params
+from test_expert_parallel import make_mesh, make_params, per_shard_moe
 
 D, T = 16, 64
 
@@ -76,6 +76,9 @@ def test_ep_scheduled_equals_padded(shape, changes, use_plan):
     np.testing.assert_allclose(np.asarray(y1), np.asarray(y0), atol=1e-6)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+    # and both equal the independent single-device layer (per source shard: capacity)
+    y_ref = jax.jit(lambda x, p: per_shard_moe(x, p, cfg, 8)[0])(x, params)
+    np.testing.assert_allclose(np.asarray(y1), np.asarray(y_ref), atol=2e-5, rtol=2e-5)
 
 
 def test_schedule_needs_scheduled_backend():
