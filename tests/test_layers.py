@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -107,3 +108,31 @@ def test_num_chunks_in_the_module_equals_unchunked_with_drops():
     assert int(aux1["num_dropped"]) > 0
     assert int(aux3["num_dropped"]) == int(aux1["num_dropped"])
     np.testing.assert_allclose(np.asarray(y3), np.asarray(y1), atol=1e-6)
+
+
+@pytest.mark.parametrize("implementation,dtype", [("triton", "float32"),
+                                                  ("mosaic_gpu", "bfloat16")])
+def test_moe_module_runs_on_each_kernel_implementation(implementation, dtype):
+    """The NNX layer with ``MoEConfig(implementation=...)`` (Pallas kernels, interpret mode
+    on CPU) gives the reference layer's output, aux loss and parameter gradients."""
+    shape = dict(num_experts=4, top_k=2, d_model=64, d_ff=64, normalize_weights=True,
+                 num_shared_experts=1, dtype=dtype)
+    x = jax.random.normal(jax.random.key(3), (2, 8, 64))
+
+    def loss(module):
+        y, aux = module(x)
+        return jnp.sum(y.astype(jnp.float32) ** 2) + aux["loss"], (y, aux)
+
+    results = {}
+    for impl in ("reference", implementation):
+        module = MoE(MoEConfig(**shape, implementation=impl), rngs=nnx.Rngs(0))
+        (_, (y, aux)), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(module)
+        results[impl] = (y, aux["loss"], nnx.to_pure_dict(grads))
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == "bfloat16" else dict(rtol=1e-4, atol=1e-5)
+    (y_r, l_r, g_r), (y_k, l_k, g_k) = results["reference"], results[implementation]
+    np.testing.assert_allclose(np.asarray(y_k, np.float32), np.asarray(y_r, np.float32), **tol)
+    np.testing.assert_allclose(float(l_k), float(l_r), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(g_k), jax.tree.leaves(g_r)):
+        scale = float(np.max(np.abs(np.asarray(b, np.float32)))) or 1.0
+        np.testing.assert_allclose(np.asarray(a, np.float32) / scale,
+                                   np.asarray(b, np.float32) / scale, **tol)
