@@ -179,25 +179,26 @@ def inverse_permutation(perm: Sequence[int]) -> np.ndarray:
     return inv
 
 
-def layout_experts(params: MoEParams, perm: Sequence[int], *, inverse: bool = False) -> MoEParams:
-    """Expert weights from logical [E, ...] to physical [P, ...] order (``inverse``: back).
-
-    Physical slot p holds logical expert ``perm[p]`` (``EMPTY_SLOT``: zeros); back to
-    logical order, a replicated expert is read from its first slot. The router and
-    shared experts are unchanged (routing stays logical; the EP forward maps ids to
-    slots).
-    """
+def layout_expert_weights(w, perm: Sequence[int], *, inverse: bool = False):
+    """One stacked expert array from logical [E, ...] to physical [P, ...] order
+    (``inverse``: back). Physical slot p holds logical expert ``perm[p]``
+    (``EMPTY_SLOT``: zeros); back to logical order, a replicated expert is read from
+    its first slot."""
     perm = np.asarray(perm, dtype=np.int32)
+    if inverse:
+        return w[logical_slots(perm, int(perm.max()) + 1)]
+    out = w[np.maximum(perm, 0)]
+    empty = perm == EMPTY_SLOT
+    if empty.any():
+        out = out * (~empty).astype(out.dtype).reshape((-1,) + (1,) * (out.ndim - 1))
+    return out
 
-    def move(w):
-        if w is None:
-            return None
-        if inverse:
-            return w[logical_slots(perm, int(perm.max()) + 1)]
-        out = w[np.maximum(perm, 0)]
-        empty = perm == EMPTY_SLOT
-        if empty.any():
-            out = out * (~empty).astype(out.dtype).reshape((-1,) + (1,) * (out.ndim - 1))
-        return out
 
-    return params.replace(**{name: move(getattr(params, name)) for name in _EXPERT_FIELDS})
+def layout_experts(params: MoEParams, perm: Sequence[int], *, inverse: bool = False) -> MoEParams:
+    """``layout_expert_weights`` on the expert weights of ``params``; the router and
+    shared experts are unchanged (routing stays logical; the EP forward maps ids to
+    slots)."""
+    return params.replace(**{
+        name: None if getattr(params, name) is None
+        else layout_expert_weights(getattr(params, name), perm, inverse=inverse)
+        for name in _EXPERT_FIELDS})

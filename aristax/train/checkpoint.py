@@ -19,8 +19,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from aristax.parallel import layout_experts
-from aristax.moe import MoEParams
+from aristax.parallel import layout_expert_weights
 
 EXPERT_WEIGHTS = ("gate_edf", "up_edf", "down_efd")
 
@@ -37,11 +36,8 @@ def _move_experts(tree, perm: Sequence[int] | None, *, inverse: bool):
         return tree
 
     def move(path, leaf):
-        if not _is_expert_weight(path):
-            return leaf
-        moved = layout_experts(MoEParams(router_de=None, up_edf=leaf, down_efd=None), perm,
-                               inverse=inverse)
-        return moved.up_edf
+        return layout_expert_weights(leaf, perm, inverse=inverse) if _is_expert_weight(path) \
+            else leaf
 
     return jax.tree_util.tree_map_with_path(move, tree)
 

@@ -7,26 +7,32 @@ import sys
 from pathlib import Path
 
 
-def run_train(args: argparse.Namespace) -> int:
-    from aristax.train import ConfigError, load_config, train
+def _config(args: argparse.Namespace):
+    """The config of ``args``, or None after printing why it is invalid."""
+    from aristax.train import ConfigError, load_config
 
     try:
-        cfg = load_config(args.config, args.overrides)
+        return load_config(args.config, args.overrides)
     except (ConfigError, FileNotFoundError) as err:
-        print(f"aristax train: {err}", file=sys.stderr)
+        print(f"aristax {args.command}: {err}", file=sys.stderr)
+        return None
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from aristax.train import train
+
+    cfg = _config(args)
+    if cfg is None:
         return 2
     train(cfg)
     return 0
 
 
 def run_launch(args: argparse.Namespace) -> int:
-    from aristax.train import ConfigError, load_config
     from aristax.train.launch import launch
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except (ConfigError, FileNotFoundError) as err:
-        print(f"aristax launch: {err}", file=sys.stderr)
+    cfg = _config(args)
+    if cfg is None:
         return 2
     try:
         return launch(args.config, args.overrides, args.local_processes,

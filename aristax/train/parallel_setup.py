@@ -11,7 +11,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from aristax.parallel import (expert_axes_of, initialize_distributed, mesh_from_plan,
                               resolve_distributed)
@@ -82,10 +82,9 @@ def plan_and_mesh(cfg: TrainConfig, devices):
             raise ValueError(f"parallel.group_size={G} does not divide {len(devices)} devices")
         groups = [list(range(i, i + G)) for i in range(0, len(devices), G)]
     plan = make_plan(topology, spec, groups=groups)
-    flat = mesh_from_plan(plan, devices, topology=topology)
-    mesh = mesh_from_plan(plan, devices, topology=topology,
-                          axis_types=(AxisType.Auto,) * len(flat.axis_names))
-    return plan, mesh
+    mesh = mesh_from_plan(plan, devices, topology=topology)
+    return plan, Mesh(mesh.devices, mesh.axis_names,
+                      axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
 def batch_sharding(mesh) -> NamedSharding | None:
