@@ -21,8 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from aristax.models import sparse_moe
-from aristax.models.mixtral import KVCache, Mixtral
+from aristax.models.mixtral import DecodeWeights, KVCache, Mixtral
 
 
 # --------------------------------------------------------------------- sampling
@@ -61,13 +60,13 @@ def _emit(tok, done, eos_ids: jax.Array, pad_id: jax.Array):
 
 # --------------------------------------------------------------------- compiled steps
 @partial(jax.jit, static_argnames=("graphdef", "cache_length", "do_sample"))
-def _prefill(graphdef, state, views, input_ids, attention_mask, position_ids, rng,
-             temperature, top_p, eos_ids, pad_id, *, cache_length, do_sample):
+def _prefill(graphdef, state, decode_weights, input_ids, attention_mask, position_ids,
+             rng, temperature, top_p, eos_ids, pad_id, *, cache_length, do_sample):
     model = nnx.merge(graphdef, state)
     B = input_ids.shape[0]
     cache = KVCache.init(model.config, B, cache_length)
     out = model(input_ids, attention_mask, position_ids, cache=cache,
-                expert_views=views, last_only=True)
+                decode_weights=decode_weights, last_only=True)
     rng, key = jax.random.split(rng)
     tok = next_token(out.logits[:, -1], key, temperature, top_p, do_sample)
     tok, done = _emit(tok, jnp.zeros((B,), bool), eos_ids, pad_id)
@@ -75,10 +74,11 @@ def _prefill(graphdef, state, views, input_ids, attention_mask, position_ids, rn
 
 
 @partial(jax.jit, static_argnames=("graphdef", "do_sample"), donate_argnames=("cache",))
-def _decode(graphdef, state, views, tok, done, cache, position, rng, temperature, top_p,
-            eos_ids, pad_id, *, do_sample):
+def _decode(graphdef, state, decode_weights, tok, done, cache, position, rng, temperature,
+            top_p, eos_ids, pad_id, *, do_sample):
     model = nnx.merge(graphdef, state)
-    out = model(tok[:, None], None, position[:, None], cache=cache, expert_views=views)
+    out = model(tok[:, None], None, position[:, None], cache=cache,
+                decode_weights=decode_weights)
     rng, key = jax.random.split(rng)
     nxt = next_token(out.logits[:, -1], key, temperature, top_p, do_sample)
     nxt, done = _emit(nxt, done, eos_ids, pad_id)
@@ -111,11 +111,6 @@ def _check_left_padded(mask: np.ndarray) -> None:
         raise ValueError("attention_mask: every prompt needs at least one real token")
 
 
-def expert_views(model: Mixtral) -> tuple:
-    """Per-layer per-expert weights for the small-T decode path (copies the experts)."""
-    return tuple(sparse_moe.expert_views(layer.moe) for layer in model.layers)
-
-
 def generate_with_stats(
     model: Mixtral,
     input_ids,
@@ -127,10 +122,9 @@ def generate_with_stats(
     eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int | None = None,
     rng: jax.Array | None = None,
-    views: tuple | None = None,
+    decode_weights: DecodeWeights | None = None,
 ) -> tuple[np.ndarray, GenerationStats]:
-    """``generate`` that also returns ``GenerationStats``; ``views`` may be passed to
-    reuse ``expert_views(model)`` across calls."""
+    """``generate`` that also returns ``GenerationStats``."""
     ids = np.asarray(input_ids)
     if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"input_ids must be an integer array [batch, seq], got "
@@ -153,7 +147,8 @@ def generate_with_stats(
     rng = jax.random.key(0) if rng is None else rng
     temp = np.float32(temperature if do_sample else 1.0)
     top_p = np.float32(top_p)
-    views = expert_views(model) if views is None else views
+    if decode_weights is None:
+        decode_weights = model.decode_weights()
     graphdef, state = nnx.split(model)
     # EOS ids padded with -1 (never a token) to a fixed length: no recompile per count
     eos_padded = np.full(max(4, len(eos)), -1, np.int32)
@@ -162,15 +157,15 @@ def generate_with_stats(
 
     t0 = time.perf_counter()
     tok, done, cache, pos, rng = _prefill(
-        graphdef, state, views, ids.astype(np.int32), mask, position_ids, rng, temp, top_p,
-        *stop, cache_length=S + max_new_tokens, do_sample=do_sample)
+        graphdef, state, decode_weights, ids.astype(np.int32), mask, position_ids, rng, temp,
+        top_p, *stop, cache_length=S + max_new_tokens, do_sample=do_sample)
     tokens = [np.asarray(tok)]
     times = [time.perf_counter()]
     for _ in range(max_new_tokens - 1):
         if eos and bool(np.all(np.asarray(done))):
             break
         tok, done, cache, pos, rng = _decode(
-            graphdef, state, views, tok, done, cache, pos, rng, temp, top_p, *stop,
+            graphdef, state, decode_weights, tok, done, cache, pos, rng, temp, top_p, *stop,
             do_sample=do_sample)
         tokens.append(np.asarray(tok))
         times.append(time.perf_counter())
@@ -193,7 +188,7 @@ def generate(
     eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int | None = None,
     rng: jax.Array | None = None,
-    views: tuple | None = None,
+    decode_weights: DecodeWeights | None = None,
 ) -> np.ndarray:
     """Generate up to ``max_new_tokens`` tokens after left-padded prompts.
 
@@ -207,13 +202,13 @@ def generate(
       eos_token_id: id or ids that end a row; generation stops when all rows ended.
       pad_token_id: emitted by ended rows (default: the first EOS id, as HF).
       rng: PRNG key for sampling (default ``jax.random.key(0)``).
-      views: ``expert_views(model)`` made once and reused across calls (default:
-        made per call, which copies the expert weights).
+      decode_weights: ``model.decode_weights()`` made once and reused across calls
+        (default: made per call, which copies the streamed weights).
     Returns:
       int[B, S + n] numpy array, prompts followed by the n <= N generated tokens.
     """
     out, _ = generate_with_stats(
         model, input_ids, max_new_tokens, attention_mask=attention_mask,
         temperature=temperature, top_p=top_p, eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id, rng=rng, views=views)
+        pad_token_id=pad_token_id, rng=rng, decode_weights=decode_weights)
     return out

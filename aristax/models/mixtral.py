@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.struct
 import jax
@@ -297,6 +297,24 @@ class KVCache:
                    index=jnp.zeros((), jnp.int32))
 
 
+class LayerDecodeWeights(NamedTuple):
+    """One decoder layer's streamed weights in [out, in] layout (HF's): qkv_nd
+    [(H + 2G)*Dh, D] (q, k, v stacked), o_dn [D, H*Dh]; experts: (gate_ups E x [2F, D],
+    downs E x [D, F]) or None (see ``sparse_moe``)."""
+
+    qkv_nd: jax.Array
+    o_dn: jax.Array
+    experts: sparse_moe.ExpertWeights | None
+
+
+class DecodeWeights(NamedTuple):
+    """[out, in] copies of every weight a decode step streams (``Mixtral.decode_weights``):
+    one ``LayerDecodeWeights`` per layer and head_vd [V, D]."""
+
+    layers: tuple[LayerDecodeWeights, ...]
+    head_vd: jax.Array
+
+
 @flax.struct.dataclass
 class MixtralOutput:
     """logits float[B, S, V]; router_logits: one float32[B, S, E] per layer;
@@ -343,20 +361,34 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = H, G, Dh
         self.sliding_window = c.sliding_window
 
-    def __call__(self, x, cos, sin, key_valid, query_slots, kv=None, index=None):
+    def __call__(self, x, cos, sin, key_valid, query_slots, kv=None, index=None,
+                 weights: LayerDecodeWeights | None = None):
         """x [B, S, D] -> ([B, S, D], (k, v)); with ``kv`` ([B, L, G, Dh] each) the new
-        keys/values are written at slot ``index`` and attention reads the whole cache."""
+        keys/values are written at slot ``index`` and attention reads the whole cache.
+        ``weights``: this layer's decode copies, used instead of the parameters."""
         B, S, _ = x.shape
         H, G, Dh = self.num_heads, self.num_kv_heads, self.head_dim
-        q = apply_rope((x @ self.q_dn[...]).reshape(B, S, H, Dh), cos, sin)
-        k = apply_rope((x @ self.k_dm[...]).reshape(B, S, G, Dh), cos, sin)
-        v = (x @ self.v_dm[...]).reshape(B, S, G, Dh)
+        if weights is None:
+            q, k, v = x @ self.q_dn[...], x @ self.k_dm[...], x @ self.v_dm[...]
+        else:
+            q, k, v = jnp.split(sparse_moe.matmul_out_in(x, weights.qkv_nd),
+                                [H * Dh, (H + G) * Dh], axis=-1)
+        q = apply_rope(q.reshape(B, S, H, Dh), cos, sin)
+        k = apply_rope(k.reshape(B, S, G, Dh), cos, sin)
+        v = v.reshape(B, S, G, Dh)
         if kv is not None:
             k = jax.lax.dynamic_update_slice_in_dim(kv[0], k.astype(kv[0].dtype), index, 1)
             v = jax.lax.dynamic_update_slice_in_dim(kv[1], v.astype(kv[1].dtype), index, 1)
         mask = attention_mask(key_valid, query_slots, self.sliding_window)
-        out = dot_attention(q, k, v, mask, Dh ** -0.5)
-        return out.reshape(B, S, H * Dh) @ self.o_nd[...], (k, v)
+        out = dot_attention(q, k, v, mask, Dh ** -0.5).reshape(B, S, H * Dh)
+        out = out @ self.o_nd[...] if weights is None else sparse_moe.matmul_out_in(
+            out, weights.o_dn)
+        return out, (k, v)
+
+    def decode_weights(self) -> tuple[jax.Array, jax.Array]:
+        """(qkv_nd, o_dn): the projections in [out, in] layout (copies)."""
+        qkv = jnp.concatenate([self.q_dn[...], self.k_dm[...], self.v_dm[...]], axis=1)
+        return jnp.asarray(qkv.T), jnp.asarray(self.o_nd[...].T)
 
 
 class DecoderLayer(nnx.Module):
@@ -370,22 +402,39 @@ class DecoderLayer(nnx.Module):
         self.post_attention_norm = RMSNorm(D, eps, dt)
         self.moe = MoE(moe_config, rngs=rngs, mesh=mesh, plan=plan)
 
-    def __call__(self, x, cos, sin, key_valid, query_slots, kv=None, index=None, views=None):
-        """Returns (x [B, S, D], router_logits float32[B, S, E], (k, v), MoE aux or None)."""
-        a, kv = self.attn(self.input_norm(x), cos, sin, key_valid, query_slots, kv, index)
+    def __call__(self, x, cos, sin, key_valid, query_slots, kv=None, index=None,
+                 weights: LayerDecodeWeights | None = None):
+        """Returns (x [B, S, D], router_logits float32[B, S, E], (k, v), MoE aux or None).
+
+        ``weights``: this layer's decode copies, used instead of the parameters; the
+        MoE block then runs ``sparse_moe`` (no aux) unless ``weights.experts`` is None."""
+        a, kv = self.attn(self.input_norm(x), cos, sin, key_valid, query_slots, kv, index,
+                          weights)
         h = x + a
         m_in = self.post_attention_norm(h)
         B, S, D = m_in.shape
-        if views is not None and sparse_moe.use_sparse(B * S):
-            cfg = self.moe.config
+        cfg, router = self.moe.config, self.moe.router
+        if weights is not None and weights.experts is not None:
+            bias = router.balance_bias_e
             y, logits = sparse_moe.sparse_moe(
-                m_in.reshape(B * S, D), self.moe.router.weight_de[...], views,
-                cfg.router_config, cfg.activation)
+                m_in.reshape(B * S, D), router.weight_de[...], weights.experts,
+                cfg.router_config, cfg.activation, bias=None if bias is None else bias[...])
             y, logits, aux = y.reshape(B, S, D), logits.reshape(B, S, -1), None
         else:
             y, aux = self.moe(m_in)
             logits = aux["router_logits"]
         return h + y.astype(h.dtype), logits, kv, aux
+
+    def decode_weights(self) -> LayerDecodeWeights:
+        """This layer's ``LayerDecodeWeights`` (copies; experts None where
+        ``sparse_moe.supports`` rejects the MoE config)."""
+        experts = None
+        if sparse_moe.supports(self.moe.config):
+            ex = self.moe.experts
+            gate_up = jnp.concatenate([ex.gate_edf[...], ex.up_edf[...]], axis=2)  # [E,D,2F]
+            experts = (tuple(jnp.asarray(w.T) for w in gate_up),
+                       tuple(jnp.asarray(w.T) for w in ex.down_efd[...]))
+        return LayerDecodeWeights(*self.attn.decode_weights(), experts=experts)
 
 
 class Mixtral(nnx.Module):
@@ -425,6 +474,13 @@ class Mixtral(nnx.Module):
         """The LM head [D, V]."""
         return self.embed_vd[...].T if self.lm_head_dv is None else self.lm_head_dv[...]
 
+    def decode_weights(self) -> DecodeWeights:
+        """[out, in] copies of the weights a decode step streams; make them once, outside
+        ``jit``, and pass them to ``forward``/``generate`` (this copies the attention,
+        expert and head weights)."""
+        return DecodeWeights(layers=tuple(layer.decode_weights() for layer in self.layers),
+                             head_vd=jnp.asarray(self.head_dv().T))
+
     def __call__(
         self,
         input_ids: jax.Array,
@@ -432,7 +488,7 @@ class Mixtral(nnx.Module):
         position_ids: jax.Array | None = None,
         *,
         cache: KVCache | None = None,
-        expert_views: Sequence | None = None,
+        decode_weights: DecodeWeights | None = None,
         last_only: bool = False,
     ) -> MixtralOutput:
         """Forward pass.
@@ -443,9 +499,11 @@ class Mixtral(nnx.Module):
           position_ids: int[B, S]; None: ``index + arange(S)`` as HF's forward (note:
             ``generate`` passes ``cumsum(attention_mask) - 1`` for padded prompts).
           cache: a ``KVCache``; the S tokens are written at ``cache.index``.
-          expert_views: per-layer per-expert weights from ``sparse_moe.expert_views``;
-            when given (and ``sparse_moe.use_sparse(B*S)``), the MoE blocks read only
-            the experts that some token selected (the decode path).
+          decode_weights: ``self.decode_weights()``. When given (and
+            ``sparse_moe.use_decode_weights(B*S)``: always on CPU, else up to
+            ``sparse_moe.MAX_TOKENS`` tokens), every projection reads these [out, in]
+            copies and the MoE blocks run ``sparse_moe``: only the selected experts,
+            no ``moe_aux`` (the decode path).
           last_only: compute logits for the last position only ([B, 1, V]).
         Returns:
           ``MixtralOutput``.
@@ -465,11 +523,13 @@ class Mixtral(nnx.Module):
 
         x = jnp.take(self.embed_vd[...], input_ids, axis=0)
         cos, sin = rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, x.dtype)
+        streamed = decode_weights is not None and sparse_moe.use_decode_weights(B * S)
         router_logits, keys, values, moe_aux = [], [], [], []
         for i, layer in enumerate(self.layers):
             kv = None if cache is None else (cache.keys[i], cache.values[i])
-            views = None if expert_views is None else expert_views[i]
-            x, logits, (k, v), aux = layer(x, cos, sin, key_valid, query_slots, kv, index, views)
+            weights = decode_weights.layers[i] if streamed else None
+            x, logits, (k, v), aux = layer(x, cos, sin, key_valid, query_slots, kv, index,
+                                           weights)
             router_logits.append(logits)
             moe_aux.append(aux)
             keys.append(k)
@@ -477,7 +537,8 @@ class Mixtral(nnx.Module):
         x = self.norm(x)
         if last_only:
             x = x[:, -1:]
-        logits = x @ self.head_dv()
+        logits = (sparse_moe.matmul_out_in(x, decode_weights.head_vd) if streamed
+                  else x @ self.head_dv())
         if cache is None:
             aux = load_balancing_loss(router_logits, cfg.num_local_experts,
                                       cfg.num_experts_per_tok, attention_mask)
@@ -505,9 +566,10 @@ class Mixtral(nnx.Module):
 
 
 @partial(jax.jit, static_argnames=("graphdef", "last_only"))
-def _forward(graphdef, state, input_ids, attention_mask, position_ids, expert_views, last_only):
+def _forward(graphdef, state, input_ids, attention_mask, position_ids, decode_weights,
+             last_only):
     model = nnx.merge(graphdef, state)
-    return model(input_ids, attention_mask, position_ids, expert_views=expert_views,
+    return model(input_ids, attention_mask, position_ids, decode_weights=decode_weights,
                  last_only=last_only)
 
 
@@ -517,7 +579,7 @@ def forward(
     attention_mask: jax.Array | None = None,
     position_ids: jax.Array | None = None,
     *,
-    expert_views: Sequence | None = None,
+    decode_weights: DecodeWeights | None = None,
     last_only: bool = False,
 ) -> MixtralOutput:
     """``model(input_ids, ...)`` without a cache, compiled once per input shape.
@@ -527,4 +589,4 @@ def forward(
     """
     graphdef, state = nnx.split(model)
     return _forward(graphdef, state, input_ids, attention_mask, position_ids,
-                    expert_views, last_only)
+                    decode_weights, last_only)

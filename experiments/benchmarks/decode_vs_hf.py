@@ -9,7 +9,8 @@ top-2, 32 heads, 8 KV heads, vocab 32000), random weights, float32, on this mach
   is ``generate`` without its logits processors);
 * the roofline: bytes of the weights one decode token must read (attention, router,
   K experts, LM head, the KV cache) / the weight-streaming bandwidth of a float32
-  4096x16384 matrix-vector product measured with JAX in the same run;
+  4096x16384 matrix-vector product measured in the same run (before and after our
+  decode; the fastest of JAX in both weight layouts, numpy and torch);
 * decode latency vs number of experts (top-2; models of ``--sweep-layers`` layers,
   measured round-robin): decode reads only the 2 selected experts, so it should stay
   flat;
@@ -18,9 +19,11 @@ top-2, 32 heads, 8 KV heads, vocab 32000), random weights, float32, on this mach
     python experiments/benchmarks/decode_vs_hf.py            # full run (minutes)
     python experiments/benchmarks/decode_vs_hf.py --quick    # 2 layers, 16 tokens
 
-XLA:CPU's default dot emitter streams a matrix-vector product at about half of what
-torch/numpy reach on this machine; ``--xla-flags`` (default: XNNPACK dots) is exported
-before JAX starts and applies to aristax and to the JAX roofline alike.
+XLA:CPU streams a matrix-vector product whose weight is held [in, out] with a long
+contraction at about half of torch's rate, so ``generate`` decodes with [out, in]
+copies (``Mixtral.decode_weights``; see ``aristax.models.sparse_moe``). ``--xla-flags``
+(default: XNNPACK dots) is exported before JAX starts and applies to aristax and to the
+JAX roofline forms alike.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--sweep-layers", type=int, default=4,
                    help="layers of the sweep models (all are held in memory at once)")
     p.add_argument("--sweep-rounds", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of (bandwidth, aristax, HF) for the batch-1 decode")
     p.add_argument("--batch", type=int, default=8, help="batched decode (0 to skip)")
     p.add_argument("--prefill", type=int, default=512, help="prefill length (0 to skip)")
     p.add_argument("--no-hf", action="store_true", help="skip Hugging Face")
@@ -50,7 +55,7 @@ def parse_args(argv=None):
                                                  "results", "decode_vs_hf_cpu.json"))
     args = p.parse_args(argv)
     if args.quick:
-        args.layers, args.new_tokens, args.sweep_experts = 2, 16, "2,8"
+        args.layers, args.new_tokens, args.sweep_experts, args.rounds = 2, 16, "2,8", 1
         args.sweep_layers, args.sweep_rounds = 2, 2
         args.prefill = min(args.prefill, 128)
     return args
@@ -71,7 +76,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from aristax.models import Mixtral, MixtralConfig  # noqa: E402
-from aristax.models.generate import expert_views, generate_with_stats  # noqa: E402
+from aristax.models.generate import generate_with_stats  # noqa: E402
 
 
 def tiny_mistral(layers: int, experts: int) -> MixtralConfig:
@@ -94,20 +99,44 @@ def weight_bytes_per_token(cfg: MixtralConfig, cache_len: int) -> int:
     return item * (cfg.num_hidden_layers * per_layer + D + D * cfg.vocab_size)
 
 
-def streaming_bandwidth(rows=4096, cols=16384, reps=30) -> dict:
-    """GB/s of a float32 [rows, cols] matrix-vector product under jax.jit (best of reps)."""
-    w = jax.random.normal(jax.random.key(0), (rows, cols), jnp.float32)
-    v = jax.random.normal(jax.random.key(1), (rows,), jnp.float32)
-    f = jax.jit(lambda w, v: v @ w)
-    f(w, v).block_until_ready()
+def _best_and_median(fn, reps: int) -> tuple[float, float]:
+    fn()
     times = []
     for _ in range(reps):
         t = time.perf_counter()
-        f(w, v).block_until_ready()
+        fn()
         times.append(time.perf_counter() - t)
-    best, med = min(times), float(np.median(times))
-    return {"shape": [rows, cols], "best_ms": 1e3 * best, "median_ms": 1e3 * med,
-            "gb_per_s_best": w.nbytes / best / 1e9, "gb_per_s_median": w.nbytes / med / 1e9}
+    return min(times), float(np.median(times))
+
+
+def streaming_bandwidth(rows=4096, cols=16384, reps=30) -> dict:
+    """GB/s of a float32 matrix-vector product over a [rows, cols] weight (best of reps),
+    in every form at hand: jax.jit ``v @ w`` and ``w.T @ v`` (the weight stored
+    transposed), numpy, and torch when installed. The ceiling is the fastest form."""
+    w = np.random.default_rng(0).standard_normal((rows, cols), np.float32)
+    v = np.random.default_rng(1).standard_normal(rows, np.float32)
+    wj, wtj, vj = jnp.asarray(w), jnp.asarray(np.ascontiguousarray(w.T)), jnp.asarray(v)
+    forms = {
+        "jax v@w": lambda f=jax.jit(lambda w, v: v @ w): f(wj, vj).block_until_ready(),
+        "jax wT@v": lambda f=jax.jit(lambda wt, v: wt @ v): f(wtj, vj).block_until_ready(),
+        "numpy v@w": lambda: v @ w,
+    }
+    try:
+        import torch
+
+        tw, tv = torch.from_numpy(w), torch.from_numpy(v)
+        forms["torch v@w"] = lambda: tv @ tw
+    except ImportError:
+        pass
+    res = {"shape": [rows, cols], "forms": {}}
+    for name, fn in forms.items():
+        best, med = _best_and_median(fn, reps)
+        res["forms"][name] = {"best_ms": 1e3 * best, "median_ms": 1e3 * med,
+                              "gb_per_s_best": w.nbytes / best / 1e9,
+                              "gb_per_s_median": w.nbytes / med / 1e9}
+    res["fastest"] = max(res["forms"], key=lambda k: res["forms"][k]["gb_per_s_best"])
+    res["gb_per_s_best"] = res["forms"][res["fastest"]]["gb_per_s_best"]
+    return res
 
 
 def build(cfg: MixtralConfig, seed: int = 0) -> Mixtral:
@@ -127,11 +156,11 @@ def step_stats(step_s, batch: int) -> dict:
             "steps": int(ms.size)}
 
 
-def ours_decode(model, prompt, new_tokens, views, repeats=2) -> dict:
+def ours_decode(model, prompt, new_tokens, weights, repeats=2) -> dict:
     """Steady-state decode steps of ``repeats`` runs pooled (each run's first decode
     step, which compiles when cold, is excluded; the first run's prefill compiles, so
     the prefill reported is the best run's)."""
-    runs = [generate_with_stats(model, prompt, new_tokens, views=views)
+    runs = [generate_with_stats(model, prompt, new_tokens, decode_weights=weights)
             for _ in range(repeats)]
     steps = [t for _, st in runs for t in st.step_s]
     res = step_stats(steps, prompt.shape[0])
@@ -163,9 +192,9 @@ def hf_decode(hf, prompt, new_tokens) -> dict:
     return res
 
 
-def prefill_ms(model, prompt, views, hf=None) -> dict:
-    generate_with_stats(model, prompt, 1, views=views)  # compile
-    ours = min(generate_with_stats(model, prompt, 1, views=views)[1].prefill_s
+def prefill_ms(model, prompt, weights, hf=None) -> dict:
+    generate_with_stats(model, prompt, 1, decode_weights=weights)  # compile
+    ours = min(generate_with_stats(model, prompt, 1, decode_weights=weights)[1].prefill_s
                for _ in range(2))
     res = {"tokens": int(prompt.shape[1]), "ours_ms": 1e3 * ours}
     if hf is not None:
@@ -177,6 +206,20 @@ def prefill_ms(model, prompt, views, hf=None) -> dict:
             res["hf_ms"] = 1e3 * (time.perf_counter() - t)
         res["ours_over_hf"] = res["ours_ms"] / res["hf_ms"]
     return res
+
+
+def load_hf(model, machine: dict):
+    """The model saved and reloaded as HF eager ``MixtralForCausalLM`` (float32)."""
+    import torch
+    import transformers
+
+    machine.update(torch=torch.__version__, torch_threads=torch.get_num_threads(),
+                   transformers=transformers.__version__)
+    with tempfile.TemporaryDirectory() as tmp:
+        log("saving for HF ...")
+        model.save_pretrained(tmp)
+        return transformers.MixtralForCausalLM.from_pretrained(
+            tmp, attn_implementation="eager", dtype=torch.float32).eval()
 
 
 def log(msg):
@@ -218,54 +261,49 @@ def main(args):
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
         "num_attention_heads", "num_key_value_heads", "num_local_experts",
         "num_experts_per_tok", "dtype")}
-    log("bandwidth ...")
-    bw = streaming_bandwidth()
-    result["bandwidth"] = bw
-    cache_len = args.prompt + args.new_tokens
-    nbytes = weight_bytes_per_token(cfg, cache_len)
-    roofline = 1e3 * nbytes / (bw["gb_per_s_best"] * 1e9)
-    result["roofline"] = {"bytes_per_token": nbytes, "ms_per_token": roofline,
-                          "bandwidth_gb_per_s": bw["gb_per_s_best"]}
-    log(f"  {bw['gb_per_s_best']:.1f} GB/s; {nbytes / 1e9:.3f} GB/token; "
-        f"roofline {roofline:.1f} ms/token")
-
     model = build(cfg)
-    views = expert_views(model)
+    weights = model.decode_weights()
+    hf = None if args.no_hf else load_hf(model, result["machine"])
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, cfg.vocab_size, size=(1, args.prompt)).astype(np.int32)
-    log("aristax decode ...")
-    ours = ours_decode(model, prompt, args.new_tokens, views)
-    log(f"  {ours['ms_per_token']:.2f} ms/token")
-    result["decode_b1"] = {"ours": strip(ours), **ratios("ours", ours, roofline)}
-
-    hf = None
-    if not args.no_hf:
-        import torch
-        import transformers
-
-        result["machine"].update(torch=torch.__version__, torch_threads=torch.get_num_threads(),
-                                 transformers=transformers.__version__)
-        with tempfile.TemporaryDirectory() as tmp:
-            log("saving for HF ...")
-            model.save_pretrained(tmp)
-            hf = transformers.MixtralForCausalLM.from_pretrained(
-                tmp, attn_implementation="eager", dtype=torch.float32).eval()
-        log("HF eager decode ...")
-        ref = hf_decode(hf, prompt, args.new_tokens)
-        log(f"  {ref['ms_per_token']:.2f} ms/token")
-        same = (ours["tokens"] == ref["tokens"])[0]
-        agree = int(np.argmin(same)) if not same.all() else int(same.size)
-        result["decode_b1"].update(
-            hf=strip(ref), **ratios("hf", ref, roofline),
-            ours_over_hf=ours["ms_per_token"] / ref["ms_per_token"],
-            ours_over_hf_median=ours["ms_per_token_median"] / ref["ms_per_token_median"],
-            greedy_tokens_agree_prefix=agree, tokens_compared=int(same.size))
+    cache_len = args.prompt + args.new_tokens
+    nbytes = weight_bytes_per_token(cfg, cache_len)
+    # Rounds of (bandwidth, aristax, HF): the other tenants' load on this machine
+    # drifts over minutes, so each round's ratios compare measurements seconds apart.
+    # compile both steps at the measured cache length
+    generate_with_stats(model, prompt, args.new_tokens, decode_weights=weights)
+    rounds = []
+    for r in range(args.rounds):
+        log(f"round {r + 1}/{args.rounds}: bandwidth, aristax decode, HF decode ...")
+        bw = streaming_bandwidth()
+        roofline = 1e3 * nbytes / (bw["gb_per_s_best"] * 1e9)
+        ours = ours_decode(model, prompt, args.new_tokens, weights, repeats=1)
+        rnd = {"bandwidth": bw, "roofline_ms": roofline, "ours": strip(ours),
+               **ratios("ours", ours, roofline)}
+        if hf is not None:
+            ref = hf_decode(hf, prompt, args.new_tokens)
+            same = (ours["tokens"] == ref["tokens"])[0]
+            rnd.update(hf=strip(ref), **ratios("hf", ref, roofline),
+                       ours_over_hf=ours["ms_per_token"] / ref["ms_per_token"],
+                       greedy_tokens_agree_prefix=int(np.argmin(same)) if not same.all()
+                       else int(same.size), tokens_compared=int(same.size))
+        log("  " + ", ".join(f"{k} {v:.3g}" for k, v in rnd.items()
+                             if isinstance(v, float)))
+        rounds.append(rnd)
+    summary = {k: float(np.median([rnd[k] for rnd in rounds]))
+               for k, v in rounds[0].items() if isinstance(v, float)}
+    result["roofline"] = {"bytes_per_token": nbytes,
+                          "ms_per_token_median_of_rounds": summary.pop("roofline_ms")}
+    result["decode_b1"] = {"median_of_rounds": summary, "rounds": rounds}
+    if hf is not None:
+        result["decode_b1"]["greedy_tokens_agree_prefix_min"] = min(
+            rnd["greedy_tokens_agree_prefix"] for rnd in rounds)
 
     if args.batch:
         log(f"batch {args.batch} decode ...")
         bprompt = rng.integers(0, cfg.vocab_size, size=(args.batch, args.prompt)).astype(np.int32)
         new = min(args.new_tokens, 32)
-        bo = ours_decode(model, bprompt, new, views)
+        bo = ours_decode(model, bprompt, new, weights)
         res = {"batch": args.batch, "new_tokens": new, "ours": strip(bo)}
         if hf is not None:
             bh = hf_decode(hf, bprompt, new)
@@ -275,9 +313,9 @@ def main(args):
     if args.prefill:
         log(f"prefill {args.prefill} ...")
         pprompt = rng.integers(0, cfg.vocab_size, size=(1, args.prefill)).astype(np.int32)
-        result["prefill"] = prefill_ms(model, pprompt, views, hf)
+        result["prefill"] = prefill_ms(model, pprompt, weights, hf)
         log(f"  {result['prefill']}")
-    del hf, model, views
+    del hf, model, weights
 
     sweep = [int(e) for e in args.sweep_experts.split(",") if e]
     if sweep:
@@ -287,13 +325,13 @@ def main(args):
         for E in sweep:
             log(f"experts sweep: building E={E} ({args.sweep_layers} layers) ...")
             m = build(tiny_mistral(args.sweep_layers, E), seed=E)
-            models[E] = (m, expert_views(m))
-            generate_with_stats(m, prompt, 2, views=models[E][1])  # compile
+            models[E] = (m, m.decode_weights())
+            generate_with_stats(m, prompt, 2, decode_weights=models[E][1])  # compile
         steps = {E: [] for E in sweep}
         new = min(args.new_tokens, 32)
         for _ in range(args.sweep_rounds):
-            for E, (m, v) in models.items():
-                steps[E] += generate_with_stats(m, prompt, new, views=v)[1].step_s
+            for E, (m, w) in models.items():
+                steps[E] += generate_with_stats(m, prompt, new, decode_weights=w)[1].step_s
         rows = [{"experts": E, **step_stats(steps[E], 1)} for E in sweep]
         flat = {}
         for key in ("ms_per_token", "ms_per_token_median", "ms_per_token_min"):

@@ -44,7 +44,7 @@ def test_one_prefill_and_one_decode_compile(small_pair):
     values (temperature, top_p, EOS ids) reuse the compiled steps."""
     model = small_pair.ours
     ids = np.random.default_rng(0).integers(3, 100, size=(2, 5))  # shapes no other test uses
-    gen_lib.expert_views(model), jax.random.key(0)  # warm the eager helpers
+    model.decode_weights(), jax.random.key(0)  # warm the eager helpers
     prefill0, decode0 = gen_lib._prefill._cache_size(), gen_lib._decode._cache_size()
     with count_compiles() as compiles:
         out = generate(model, ids, 12)

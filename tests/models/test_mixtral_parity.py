@@ -11,8 +11,7 @@ import transformers
 from flax import nnx
 from mixtral_cases import hf_logits, left_padded
 
-from aristax.models import Mixtral, forward, generate
-from aristax.models.generate import expert_views
+from aristax.models import Mixtral, forward, generate, sparse_moe
 
 RTOL, ATOL = 1e-4, 1e-5
 PROMPT, NEW = 9, 32
@@ -93,20 +92,40 @@ def test_eos_stops_rows_like_hf(small_pair):
     assert (ours[0, PROMPT + 4:] == 0).all()
 
 
-def test_sparse_decode_path_matches_module_path(small_pair):
-    """The small-T expert path (per-expert views) equals Hugging Face and the
-    aristax.MoE path."""
-    ids, mask = left_padded(np.random.default_rng(5), [S, 8, 3], S,
+@pytest.mark.parametrize("batch, seq", [(B, S), (3, 30)])
+def test_decode_weights_path_matches_module_path_and_hf(small_pair, batch, seq):
+    """With decode weights every projection reads the [out, in] copies and the MoE
+    blocks run sparse_moe (on CPU at any size; both sizes here, below and above
+    MAX_TOKENS). They equal Hugging Face and the aristax.MoE path."""
+    assert batch * seq > sparse_moe.MAX_TOKENS or seq == S
+    lengths = [seq, seq // 2, 3]
+    ids, mask = left_padded(np.random.default_rng(5), lengths, seq,
                             small_pair.hf.config.vocab_size)
     model, ids, mask = small_pair.ours, jnp.asarray(ids), jnp.asarray(mask)
     dense = forward(model, ids, mask)
-    sparse = forward(model, ids, mask, expert_views=expert_views(model))
+    sparse = forward(model, ids, mask, decode_weights=model.decode_weights())
     np.testing.assert_allclose(np.asarray(sparse.logits), np.asarray(dense.logits),
-                               rtol=1e-5, atol=1e-6)
+                               rtol=RTOL, atol=ATOL)  # GEMV sum order differs
     ref = hf_logits(small_pair.hf, np.asarray(ids), np.asarray(mask))
     real = np.asarray(mask).astype(bool)
     np.testing.assert_allclose(np.asarray(sparse.logits)[real], ref.logits.numpy()[real],
                                rtol=RTOL, atol=ATOL)
+
+
+def test_decode_weights_keep_moe_configs_sparse_moe_cannot_compute(small_pair):
+    """A DeepSeek-style block (shared expert, capacity) is outside sparse_moe: the decode
+    weights then carry no experts and the layer runs aristax.MoE, so generation equals
+    the module path instead of silently dropping the shared expert."""
+    cfg = small_pair.ours.config
+    moe = cfg.moe_config().replace(num_shared_experts=1, capacity_factor=2.0)
+    assert not sparse_moe.supports(moe)
+    model = Mixtral(cfg, rngs=nnx.Rngs(0), moe_config=moe)
+    weights = model.decode_weights()
+    assert all(layer.experts is None for layer in weights.layers)
+    ids = jnp.asarray(np.random.default_rng(8).integers(0, cfg.vocab_size, size=(B, S)))
+    np.testing.assert_allclose(
+        np.asarray(forward(model, ids, decode_weights=weights).logits),
+        np.asarray(forward(model, ids).logits), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("shard", [False, True])
