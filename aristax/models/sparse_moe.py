@@ -32,6 +32,7 @@ from aristax import routing as routing_lib
 from aristax.config import RouterConfig, accumulation_dtype
 from aristax.moe import router_logits
 from aristax.pallas_kernels.moe_mlp.reference import hidden
+from aristax.pallas_kernels.permute import reference as permute_ref
 
 # Off the CPU, a forward given ``DecodeWeights`` uses them up to this many tokens (each
 # selected expert runs on all T rows: T*E FLOPs, trivial at small T).
@@ -77,6 +78,46 @@ def _expert_mlp(x, gate_up_fd, down_df, activation: str) -> jax.Array:
     return matmul_out_in(hidden(gate, up, activation).astype(x.dtype), down_df, acc)
 
 
+def _chunk_rows(num_rows: int, num_experts: int) -> int:
+    """Rows per expert GEMM in ``_grouped_moe``: the mean rows per expert rounded up to
+    a power of two, within [32, 128] (fewer rows waste most of a CPU GEMM; padding
+    costs at most E chunks)."""
+    mean = -(-num_rows // num_experts)
+    return max(32, min(128, 1 << (mean - 1).bit_length()))
+
+
+def _grouped_moe(x, routing, weights, experts: ExpertWeights, activation: str) -> jax.Array:
+    """The MoE for many tokens: rows sorted by expert, each expert's rows through its
+    MLP ``chunk`` at a time (a loop of ceil(rows_e / chunk) GEMMs), then combined.
+
+    T*K + E*chunk rows of GEMMs instead of the T*E of running every selected expert
+    on every token. A chunk's rows past its expert's segment need no mask: experts run
+    in ascending order, so later experts overwrite them, and the last expert's land
+    past ``num_valid``, which ``combine`` ignores. Returns y [T, D] in the
+    accumulation dtype.
+    """
+    gate_ups, downs = experts
+    T, K, E = x.shape[0], routing.expert_ids.shape[1], len(downs)
+    ids = jnp.where(routing.mask, routing.expert_ids, E).reshape(-1)  # unrouted: last
+    sort_order = jnp.argsort(ids, stable=True).astype(jnp.int32)  # [T*K]
+    counts = jnp.bincount(ids, length=E + 1)[:E].astype(jnp.int32)
+    starts = jnp.cumsum(counts) - counts
+    num_valid = jnp.sum(counts)
+    chunk = _chunk_rows(T * K, E)
+    rows = permute_ref.permute(x, sort_order, num_valid, top_k=K)
+    rows = jnp.pad(rows, ((0, chunk), (0, 0)))  # slices past the end stay in bounds
+    out = jnp.zeros(rows.shape, accumulation_dtype(x.dtype))
+    for e in range(E):
+        def step(i, out, e=e):
+            start = starts[e] + i * chunk
+            y = _expert_mlp(jax.lax.dynamic_slice_in_dim(rows, start, chunk), gate_ups[e],
+                            downs[e], activation)
+            return jax.lax.dynamic_update_slice_in_dim(out, y, start, 0)
+
+        out = jax.lax.fori_loop(0, (counts[e] + chunk - 1) // chunk, step, out)
+    return permute_ref.combine(out[:T * K], sort_order, weights, num_valid)
+
+
 def sparse_moe(
     x: jax.Array, router_de: jax.Array, experts: ExpertWeights, config: RouterConfig,
     activation: str = "swiglu", *, bias: jax.Array | None = None,
@@ -101,6 +142,8 @@ def sparse_moe(
     logits = router_logits(x, router_de)
     routing = routing_lib.route(logits, config, bias=bias)
     weights = jnp.where(routing.mask, routing.weights, 0.0)
+    if T > MAX_TOKENS:
+        return _grouped_moe(x, routing, weights, experts, activation).astype(x.dtype), logits
     combine = jnp.zeros((T, E), jnp.float32).at[
         jnp.arange(T)[:, None], routing.expert_ids].add(weights)  # [T, E]
     selected = jnp.any((routing.expert_ids[..., None] == jnp.arange(E)) &

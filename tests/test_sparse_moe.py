@@ -1,0 +1,92 @@
+"""aristax.models.sparse_moe (the decode/prefill MoE of Mixtral.decode_weights) against
+the per-token reference in tests/moe_reference.py, on both of its paths: every selected
+expert on every row (T <= MAX_TOKENS) and rows grouped by expert in chunks (larger T)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import moe_reference as ref
+from aristax import MoE, MoEConfig
+from aristax.models import sparse_moe
+
+SMALL, LARGE = 7, 150  # the two paths: T <= MAX_TOKENS < T
+D, F, E = 16, 24, 6
+
+
+def experts_out_in(module: MoE) -> sparse_moe.ExpertWeights:
+    """The layer's experts as sparse_moe takes them (Mixtral.decode_weights' layout)."""
+    ex = module.experts
+    gate_up = jnp.concatenate([ex.gate_edf[...], ex.up_edf[...]], axis=2)
+    return tuple(w.T for w in gate_up), tuple(w.T for w in ex.down_efd[...])
+
+
+def run_and_compare(cfg: MoEConfig, x, router_de=None, bias=None, seed=0):
+    module = MoE(cfg, rngs=nnx.Rngs(seed))
+    if router_de is None:
+        router_de = jax.random.normal(jax.random.key(seed + 1), (D, cfg.num_experts)) * 0.5
+    module.router.weight_de[...] = router_de
+    p = {"router_de": router_de, "gate_edf": module.experts.gate_edf[...],
+         "up_edf": module.experts.up_edf[...], "down_efd": module.experts.down_efd[...]}
+    y, logits = jax.jit(sparse_moe.sparse_moe, static_argnums=(3, 4))(
+        x, router_de, experts_out_in(module), cfg.router_config, cfg.activation, bias=bias)
+    pl = ref.plan(x, router_de, cfg, bias=None if bias is None else np.asarray(bias))
+    np.testing.assert_allclose(np.asarray(y), ref.forward(x, p, cfg, pl), rtol=2e-5,
+                               atol=2e-5)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(x) @ np.asarray(router_de),
+                               rtol=1e-5, atol=1e-5)
+    return pl
+
+
+def tokens(T, seed=3):
+    return jax.random.normal(jax.random.key(seed), (T, D))
+
+
+@pytest.mark.parametrize("T", [SMALL, LARGE])
+@pytest.mark.parametrize("activation", ["swiglu", "geglu"])
+def test_matches_reference_mixtral_routing(T, activation):
+    assert SMALL <= sparse_moe.MAX_TOKENS < LARGE
+    cfg = MoEConfig(num_experts=E, top_k=2, d_model=D, d_ff=F, activation=activation,
+                    normalize_weights=True)
+    run_and_compare(cfg, tokens(T))
+
+
+@pytest.mark.parametrize("T", [SMALL, LARGE, 2 * LARGE + 1])
+def test_hard_loads_all_on_one_expert_and_empty_experts(T):
+    """Top-1, every token on expert 2 (the others empty): the grouped path runs one
+    expert over many chunks, with a partial last chunk."""
+    cfg = MoEConfig(num_experts=E, top_k=1, d_model=D, d_ff=F)
+    router = jnp.zeros((D, E)).at[:, 2].set(1.0)
+    x = jnp.abs(tokens(T)) + 0.1  # positive rows: expert 2's logit is the largest
+    pl = run_and_compare(cfg, x, router_de=router)
+    assert pl["load"][2] == T and pl["load"].sum() == T
+
+
+@pytest.mark.parametrize("T", [SMALL, LARGE])
+def test_k_equals_e(T):
+    cfg = MoEConfig(num_experts=4, top_k=4, d_model=D, d_ff=F, normalize_weights=True)
+    run_and_compare(cfg, tokens(T))
+
+
+@pytest.mark.parametrize("T", [SMALL, LARGE])
+def test_grouped_sigmoid_router_with_balance_bias(T):
+    """DeepSeek-V3 selection: group-limited sigmoid scores, a balancing bias that moves
+    the selection (not the weights), a routed scaling factor."""
+    cfg = MoEConfig(num_experts=8, top_k=2, d_model=D, d_ff=F, router="sigmoid",
+                    normalize_weights=True, num_groups=4, topk_groups=2,
+                    routed_scaling_factor=2.5, bias_update_rate=0.01)
+    bias = jax.random.normal(jax.random.key(9), (8,)) * 0.5
+    run_and_compare(cfg, tokens(T), bias=bias)
+
+
+def test_supports_only_configs_it_computes_exactly():
+    base = MoEConfig(num_experts=E, top_k=2, d_model=D, d_ff=F)
+    assert sparse_moe.supports(base)
+    for change in (dict(capacity_factor=1.0), dict(num_shared_experts=1),
+                   dict(activation="gelu"), dict(router="expert_choice"),
+                   dict(dtype="bfloat16")):
+        assert not sparse_moe.supports(base.replace(**change)), change
