@@ -3,7 +3,8 @@
 Letters: T tokens, D model dim, K slots per token, M = T*K rows in expert order.
 
 Each backend provides four functions (forward and backward of both ops); the
-``custom_vjp`` calls the first backend in the list that serves each of them.
+``custom_vjp`` calls the first backend in the list that serves each of them
+("mosaic_gpu" serves permute and its backward only).
 permute's backward is an unweighted combine, combine's backward a weighted permute
 (drows) and a per-slot dot (dweights), so no backward needs a scatter-add.
 """
@@ -16,9 +17,9 @@ import jax
 import jax.numpy as jnp
 
 from aristax.pallas_kernels import frontdoor
-from aristax.pallas_kernels.permute import reference, triton
+from aristax.pallas_kernels.permute import mosaic_gpu, reference, triton
 
-_BACKENDS = {"triton": triton, "reference": reference}
+_BACKENDS = {"triton": triton, "mosaic_gpu": mosaic_gpu, "reference": reference}
 PERMUTE = {name: mod.permute for name, mod in _BACKENDS.items()}
 PERMUTE_BWD = {name: mod.permute_bwd for name, mod in _BACKENDS.items()}
 COMBINE = {name: mod.combine for name, mod in _BACKENDS.items()}
@@ -117,8 +118,10 @@ def permute(
       x: [T, D] tokens. sort_order: int[T*K] flat slot of each row (``route``).
       top_k: K. num_valid: routed rows (``sum(counts)``); rows past it are 0. None =
         all T*K rows.
-      implementation: backend name or ordered list ("triton", "reference"); None =
-        the platform default. interpret: Pallas interpret mode; None = on CPU.
+      implementation: backend name or ordered list ("triton", "mosaic_gpu",
+        "reference"); None = the platform default ("triton", then "reference", on GPU:
+        Mosaic GPU's per-row TMA gather has not been timed against Triton's on a GPU).
+        interpret: Pallas interpret mode; None = on CPU.
     Returns:
       rows [T*K, D] in x's dtype. Backward: dx[t] = sum of drows over t's valid rows.
     """

@@ -20,11 +20,16 @@ from aristax import routing as routing_lib
 from aristax.config import RouterConfig
 from aristax.pallas_kernels import combine, permute
 from aristax.pallas_kernels import route as route_op
-from aristax.pallas_kernels.permute import api, reference
+from aristax.pallas_kernels.permute import api, mosaic_gpu, reference
+from aristax.pallas_kernels.ragged_dot import mosaic_gpu as mg
 
 BACKENDS = sorted(api.PERMUTE)
-# (T, D, K, E, dtype): T*K and D are not multiples of the tiles (16/32 rows, 16..128 D).
-SHAPES = {"f32": (11, 20, 3, 8, jnp.float32), "bf16": (9, 40, 2, 4, jnp.bfloat16)}
+# (T, D, K, E, dtype): T*K and D are not multiples of the tiles (16/32 rows, 16..128 D);
+# "bf16_d128" is also a shape Mosaic GPU serves (D a multiple of 64).
+SHAPES = {"f32": (11, 20, 3, 8, jnp.float32), "bf16": (9, 40, 2, 4, jnp.bfloat16),
+          "bf16_d128": (9, 128, 2, 4, jnp.bfloat16)}
+# Mosaic GPU serves permute (and its backward) only; combine falls back (its docstring).
+MOSAIC_COMBINE = ["mosaic_gpu", "reference"]
 TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 TRITON_CUDA = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
 
@@ -72,9 +77,11 @@ def _run(backend: str | None, top_k: int):
             p_fn = lambda x: reference.permute(x, order, nv, top_k=top_k)  # noqa: E731
             c_fn = lambda r, w: reference.combine(r, order, w, nv)  # noqa: E731
         else:
-            kw = dict(num_valid=nv, implementation=backend, interpret=True)
-            p_fn = lambda x: permute(x, order, top_k=top_k, **kw)  # noqa: E731
-            c_fn = lambda r, w: combine(r, order, w, **kw)  # noqa: E731
+            kw = dict(num_valid=nv, interpret=True)
+            c_impl = MOSAIC_COMBINE if backend == "mosaic_gpu" else backend
+            p_fn = lambda x: permute(x, order, top_k=top_k, implementation=backend,  # noqa: E731
+                                     **kw)
+            c_fn = lambda r, w: combine(r, order, w, implementation=c_impl, **kw)  # noqa: E731
         perm, p_vjp = jax.vjp(p_fn, x)
         y, c_vjp = jax.vjp(c_fn, rows, weights)
         return (perm, *p_vjp(ct_rows), y, *c_vjp(dy))
@@ -91,10 +98,14 @@ def _close(a, b, dtype, msg=""):
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_matches_reference_and_gradients(backend, shape):
     T, D, K, E, dtype = SHAPES[shape]
+    if backend == "mosaic_gpu" and D % mosaic_gpu.ALIGN:
+        pytest.skip(f"Mosaic GPU needs D % {mosaic_gpu.ALIGN} == 0 (tested below)")
     x, rows, weights, ct_rows, dy = _data(T, D, K, dtype)
     for name, (order, nv) in _orders(T, K, E).items():
         args = (x, jnp.asarray(order), jnp.int32(nv), rows, weights, ct_rows, dy)
         got, want = _run(backend, K)(*args), _run(None, K)(*args)
+        if backend == "mosaic_gpu":
+            assert not mg.races_found(), name
         labels = ("rows", "dx", "y", "drows", "dweights")
         for label, a, b in zip(labels, got, want):
             assert a.dtype == b.dtype, (name, label, a.dtype, b.dtype)
@@ -134,7 +145,7 @@ def test_reference_matches_numpy_and_is_its_own_adjoint():
 def test_replaces_the_dropless_path_of_aristax_moe(backend):
     """route -> permute -> combine equals aristax.routing -> dropless_dispatch ->
     dispatch.permute -> dispatch.combine, with a NaN token routed nowhere."""
-    T, D, K, E, dtype = SHAPES["f32"]
+    T, D, K, E, dtype = 11, 64, 3, 8, jnp.float32  # D: a shape every backend serves
     x, rows, _, ct_rows, dy = _data(T, D, K, dtype, seed=9)
     w_router = jnp.asarray(np.random.default_rng(3).standard_normal((D, E), np.float32))
     x = x.at[4].set(jnp.nan)
@@ -207,3 +218,33 @@ def test_triton_lowers_for_cuda(T, D, K, dtype):
     for kernel in ("permute_gather", "combine_gather_sum", "combine_gather_dot",
                    "inverse_order"):
         assert kernel in text, kernel
+
+
+@pytest.mark.parametrize(
+    "T, D, K, dtype",
+    [(9, 64, 2, jnp.float32), (64, 256, 8, jnp.bfloat16), (1, 128, 1, jnp.float16),
+     (300, 1024, 2, jnp.bfloat16)],
+)
+def test_mosaic_gpu_permute_lowers_for_cuda(T, D, K, dtype):
+    """permute and its backward lower to Mosaic GPU kernels (no GPU needed)."""
+    def loss(x, order, nv):
+        rows = permute(x, order, top_k=K, num_valid=nv, implementation="mosaic_gpu",
+                       interpret=False)
+        return jnp.sum(rows.astype(jnp.float32) ** 2)
+
+    exported = jax.export.export(jax.jit(jax.grad(loss)), platforms=["cuda"])(
+        jax.ShapeDtypeStruct((T, D), dtype), jax.ShapeDtypeStruct((T * K,), jnp.int32),
+        jax.ShapeDtypeStruct((), jnp.int32))
+    assert exported.mlir_module().count("mosaic_gpu") >= 2  # forward and backward
+
+
+def test_mosaic_gpu_refuses_what_it_cannot_serve():
+    x, order = jnp.zeros((4, 20), jnp.bfloat16), jnp.arange(8)
+    with pytest.raises(NotImplementedError, match="D=20 must be a multiple of 64"):
+        permute(x, order, top_k=2, implementation="mosaic_gpu", interpret=True)
+    rows = permute(x, order, top_k=2, implementation=["mosaic_gpu", "reference"],
+                   interpret=True)  # falls back
+    assert rows.shape == (8, 20)
+    with pytest.raises(NotImplementedError, match="combine is not implemented"):
+        combine(jnp.zeros((8, 64)), order, jnp.ones((4, 2)), implementation="mosaic_gpu",
+                interpret=True)
