@@ -92,54 +92,57 @@ def _gather_rows(src_gmem, zero_gmem, buf, barrier, source_row, col0, block_d) -
     plgpu.barrier_wait(barrier)
 
 
+def _each_tile(num_rows: int, d: int, dtype, tiles: GatherTiles, tile_fn) -> None:
+    """``tile_fn(row0, col0, buf, barrier)`` for every (row block, column block), spread
+    over the SMs; buf: SMEM [block_rows, block_d] of ``dtype``, barrier: block_rows
+    arrivals (one per gathered row)."""
+    br, bd = tiles.block_rows, tiles.block_d
+
+    def scope(buf, barrier):
+        @plgpu.nd_loop((pl.cdiv(num_rows, br), d // bd), collective_axes="sm")
+        def _(info):
+            rb, db = info.index
+            tile_fn(rb * br, db * bd, buf, barrier)
+
+    pl.run_scoped(scope, plgpu.SMEM((br, bd), dtype), plgpu.Barrier(num_arrivals=br))
+
+
 def _permute_body(order_gmem, nv_gmem, x_gmem, zero_gmem, out_gmem, *, top_k: int,
                   tiles: GatherTiles):
     (M, D), T = out_gmem.shape, x_gmem.shape[0]
-    br, bd = tiles.block_rows, tiles.block_d
-    nv = nv_gmem[0]
+    br, nv = tiles.block_rows, nv_gmem[0]
 
-    def scope(buf, barrier):
-        @plgpu.nd_loop((pl.cdiv(M, br), D // bd), collective_axes="sm")
-        def _(info):
-            rb, db = info.index
-            row0, col0 = rb * br, db * bd
+    def tile(row0, col0, buf, barrier):
+        def source_row(r):
+            p = jnp.minimum(row0 + r, M - 1)
+            return jnp.minimum(order_gmem[p] // top_k, T - 1), row0 + r < nv
 
-            def source_row(r):
-                p = jnp.minimum(row0 + r, M - 1)
-                return jnp.minimum(order_gmem[p] // top_k, T - 1), row0 + r < nv
+        _gather_rows(x_gmem, zero_gmem, buf, barrier, source_row, col0, tiles.block_d)
+        mg._store_rows(buf[...], out_gmem, row0, 0, jnp.minimum(M - row0, br), col0,
+                       min(br, M))
 
-            _gather_rows(x_gmem, zero_gmem, buf, barrier, source_row, col0, bd)
-            mg._store_rows(buf[...], out_gmem, row0, 0, jnp.minimum(M - row0, br), col0,
-                           min(br, M))
-
-    pl.run_scoped(scope, plgpu.SMEM((br, bd), x_gmem.dtype),
-                  plgpu.Barrier(num_arrivals=br))
+    _each_tile(M, D, x_gmem.dtype, tiles, tile)
 
 
 def _permute_bwd_body(pos_gmem, nv_gmem, drows_gmem, zero_gmem, out_gmem, *, top_k: int,
                       tiles: GatherTiles):
     (T, D), M = out_gmem.shape, drows_gmem.shape[0]
-    br, bd = tiles.block_rows, tiles.block_d
-    nv = nv_gmem[0]
+    br, nv = tiles.block_rows, nv_gmem[0]
 
-    def scope(buf, barrier):
-        @plgpu.nd_loop((pl.cdiv(T, br), D // bd), collective_axes="sm")
-        def _(info):
-            tb, db = info.index
-            t0, col0 = tb * br, db * bd
-            acc = jnp.zeros((br, bd), jnp.float32)
-            for k in range(top_k):
-                def source_row(r, k=k):
-                    pos = pos_gmem[jnp.minimum(t0 + r, T - 1) * top_k + k]
-                    return jnp.minimum(pos, M - 1), pos < nv
+    def tile(t0, col0, buf, barrier):
+        acc = jnp.zeros(buf.shape, jnp.float32)
+        for k in range(top_k):
+            def source_row(r, k=k):
+                pos = pos_gmem[jnp.minimum(t0 + r, T - 1) * top_k + k]
+                return jnp.minimum(pos, M - 1), pos < nv
 
-                _gather_rows(drows_gmem, zero_gmem, buf, barrier, source_row, col0, bd)
-                acc = acc + buf[...].astype(jnp.float32)
-            mg._store_rows(acc.astype(out_gmem.dtype), out_gmem, t0, 0,
-                           jnp.minimum(T - t0, br), col0, min(br, T))
+            _gather_rows(drows_gmem, zero_gmem, buf, barrier, source_row, col0,
+                         tiles.block_d)
+            acc = acc + buf[...].astype(jnp.float32)
+        mg._store_rows(acc.astype(out_gmem.dtype), out_gmem, t0, 0,
+                       jnp.minimum(T - t0, br), col0, min(br, T))
 
-    pl.run_scoped(scope, plgpu.SMEM((br, bd), drows_gmem.dtype),
-                  plgpu.Barrier(num_arrivals=br))
+    _each_tile(T, D, drows_gmem.dtype, tiles, tile)
 
 
 def _launch(body, out_type, interpret, *args):
