@@ -1,10 +1,12 @@
-"""A small-T MoE path for decoding: read only the experts that some token selected.
+"""The MoE block of Mixtral's decode path: read only the experts that some token selected.
 
 Decoding one token touches K of the E experts, so its cost should not grow with E.
 The general path (``aristax.moe.moe``) groups rows with grouped GEMMs over the stacked
 [E, D, F] weights; for a handful of tokens that reads (or, on XLA:CPU, copies) every
-expert. Here expert e runs under ``lax.cond(any token selected e)``: an unselected
-expert costs a predicate, a selected one one read of its weights.
+expert. Here, up to ``MAX_TOKENS`` tokens, expert e runs on all T rows under
+``lax.cond(any token selected e)``: an unselected expert costs a predicate, a selected
+one one read of its weights. Beyond, rows are grouped by expert and each expert's rows
+run ``chunk`` at a time (``_grouped_moe``; the CPU prefill).
 
 The weights are per-expert [out, in] copies (HF's layout) made once outside ``jit``
 (``Mixtral.decode_weights``), gate and up concatenated into one matrix:
@@ -34,8 +36,9 @@ from aristax.moe import router_logits
 from aristax.pallas_kernels.moe_mlp.reference import hidden
 from aristax.pallas_kernels.permute import reference as permute_ref
 
-# Off the CPU, a forward given ``DecodeWeights`` uses them up to this many tokens (each
-# selected expert runs on all T rows: T*E FLOPs, trivial at small T).
+# Up to this many tokens every selected expert runs on all T rows (T*E rows of GEMMs,
+# trivial at small T); beyond, rows are grouped by expert. Off the CPU, a forward given
+# ``DecodeWeights`` uses them only up to this many tokens.
 MAX_TOKENS = 64
 
 # (gate_ups, downs): E arrays each, [2F, D] (gate rows first) and [D, F].
@@ -54,8 +57,9 @@ def use_decode_weights(num_tokens: int) -> bool:
     """Whether a forward of ``num_tokens`` rows given decode weights should use them.
 
     Always on CPU: on 2 cores (D=1024, F=4096, E=6, K=2) one ``sparse_moe`` layer took
-    110 ms at T=80 and 540 ms at T=512, where ``aristax.moe`` took 655 ms and 2.4 s
-    (an earlier measurement): XLA:CPU's ``lax.ragged_dot`` computes every group densely.
+    70-90 ms at T=80 and 320-360 ms at T=512, where ``aristax.moe`` took 655 ms and
+    2.4 s (an earlier measurement): XLA:CPU's ``lax.ragged_dot`` computes every group
+    densely.
     Elsewhere only up to ``MAX_TOKENS``; grouped GEMMs are the better choice beyond.
     """
     return num_tokens <= MAX_TOKENS or jax.default_backend() == "cpu"
