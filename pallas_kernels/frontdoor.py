@@ -68,3 +68,20 @@ def call_first(
         + "; ".join(reasons)
         + "); add 'reference' to the list or change the inputs"
     )
+
+
+def first_serving(
+    op: str,
+    backends: Mapping[str, Any],
+    names: Sequence[str],
+    *args: Any,
+    interpret: bool,
+) -> str:
+    """The first of ``names`` whose backend module's ``check(*args, interpret=)``
+    accepts the call (``call_first``'s rule and error, without running the op)."""
+    def accepts(name):
+        def check(*args):
+            backends[name].check(*args, interpret=interpret)
+            return name
+        return check
+    return call_first(op, {n: accepts(n) for n in names}, names, *args)

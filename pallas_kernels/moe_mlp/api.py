@@ -31,7 +31,7 @@ sort_order, group_sizes and num_valid get no gradient.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -90,17 +90,6 @@ def _validate(x, sort_order, weights, group_sizes, gate_edf, up_edf, down_efd,
         _fail("gate_edf", "None for 'gelu'", _shape(gate_edf))
     if num_valid is not None and jnp.shape(num_valid) not in ((), (1,)):
         _fail("num_valid", "a scalar or None", f"shape {jnp.shape(num_valid)}")
-
-
-def _serving(names: Sequence[str], x, weights, up_edf, interpret: bool) -> str:
-    """The first of ``names`` whose ``check`` accepts these operands."""
-    def accepts(name):
-        def check(*args):
-            BACKENDS[name].check(*args, interpret=interpret)
-            return name
-        return check
-    return frontdoor.call_first(OP, {n: accepts(n) for n in names}, names,
-                                x, weights, up_edf)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
@@ -257,7 +246,7 @@ def moe_mlp(
     sort_order, group_sizes = sort_order.astype(jnp.int32), group_sizes.astype(jnp.int32)
     names = frontdoor.candidates(OP, BACKENDS, DEFAULT_ORDER, implementation)
     interpret = frontdoor.resolve_interpret(interpret)
-    name = _serving(names, x, weights, up, interpret)
+    name = frontdoor.first_serving(OP, BACKENDS, names, x, weights, up, interpret=interpret)
     if name == "reference":
         return reference.moe_mlp(x, sort_order, weights, group_sizes, gate, up, down,
                                  activation=activation, num_valid=num_valid)

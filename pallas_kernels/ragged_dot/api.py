@@ -73,13 +73,8 @@ def _validate(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> None:
 
 def _choose(names: Sequence[str], lhs, rhs, group_sizes, out_dtype, interpret) -> str:
     """The first of ``names`` whose ``check`` accepts lhs[M, K] @ rhs[G, K, N]."""
-    def accepts(name):
-        def check(*args):
-            BACKENDS[name].check(*args, interpret=interpret)
-            return name
-        return check
-    return frontdoor.call_first(OP, {n: accepts(n) for n in names}, names,
-                                lhs, rhs, group_sizes, out_dtype)
+    return frontdoor.first_serving(OP, BACKENDS, names, lhs, rhs, group_sizes, out_dtype,
+                                   interpret=interpret)
 
 
 def _tiles_for(tiles: Any, name: str) -> Any:
