@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from flax import nnx
 
 from aristax.models import cli as models_cli
 from aristax.models import generate
@@ -45,13 +46,14 @@ def test_one_prefill_and_one_decode_compile(small_pair):
     model = small_pair.ours
     ids = np.random.default_rng(0).integers(3, 100, size=(2, 5))  # shapes no other test uses
     model.decode_weights(), jax.random.key(0)  # warm the eager helpers
-    prefill0, decode0 = gen_lib._prefill._cache_size(), gen_lib._decode._cache_size()
+    prefill, decode = gen_lib.compiled_steps(nnx.graphdef(model))
+    prefill0, decode0 = prefill._cache_size(), decode._cache_size()
     with count_compiles() as compiles:
         out = generate(model, ids, 12)
     assert out.shape == (2, 17)
     assert len(compiles) == 2, compiles
-    assert gen_lib._prefill._cache_size() == prefill0 + 1
-    assert gen_lib._decode._cache_size() == decode0 + 1
+    assert prefill._cache_size() == prefill0 + 1
+    assert decode._cache_size() == decode0 + 1
     generate(model, ids, 12, temperature=0.5, top_p=0.9, eos_token_id=[5, 6])
     with count_compiles() as compiles:
         generate(model, ids, 12, temperature=0.7, top_p=0.8, eos_token_id=9, pad_token_id=1)
