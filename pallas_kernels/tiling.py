@@ -1,6 +1,9 @@
-"""Small integer helpers for tile sizes, shared by the Triton backends."""
+"""Small helpers shared by the Pallas backends: tile-size integers, and the output
+types and operand casts that let kernels run inside ``shard_map``."""
 
 from __future__ import annotations
+
+import jax
 
 
 def next_pow2(n: int) -> int:
@@ -10,3 +13,52 @@ def next_pow2(n: int) -> int:
 
 def is_pow2(x: int) -> bool:
     return isinstance(x, int) and x > 0 and x & (x - 1) == 0
+
+
+def out_type(shape: tuple[int, ...], dtype, *operands: jax.Array) -> jax.ShapeDtypeStruct:
+    """A ``pallas_call`` output type that varies over every manual mesh axis some
+    operand varies over.
+
+    Inside ``shard_map(check_vma=True)`` (the default, as in ``aristax.parallel``) a
+    kernel output must say how it varies; outside one the set is empty and ignored.
+    """
+    varying = _union_varying(operands)
+    return jax.ShapeDtypeStruct(shape, dtype,
+                                manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
+
+
+def _varying(a) -> frozenset:
+    return jax.typeof(a).manual_axis_type.varying if isinstance(a, jax.Array) else frozenset()
+
+
+def _union_varying(arrays) -> frozenset:
+    return frozenset().union(*(_varying(a) for a in arrays))
+
+
+def _cast_varying(a, axes: frozenset):
+    """a made to vary over ``axes`` too (None and Python scalars pass through)."""
+    missing = axes - _varying(a) if isinstance(a, jax.Array) else frozenset()
+    return jax.lax.pcast(a, tuple(sorted(missing)), to="varying") if missing else a
+
+
+def vary_alike(*operands) -> tuple:
+    """The operands, each cast to vary over every manual mesh axis one of them varies
+    over (``jax.lax.pcast(..., to="varying")``; a no-op outside ``shard_map``).
+
+    A kernel's outputs vary like the union of its operands (``out_type``), so its
+    ``custom_vjp`` backward returns cotangents that do too, and JAX requires each to
+    match its primal's type. A front door therefore casts its operands first; the
+    cast's transpose (a psum) then sums an invariant operand's gradient over the
+    devices, as autodiff does for plain JAX ops.
+    """
+    axes = _union_varying(operands)
+    return tuple(_cast_varying(a, axes) for a in operands)
+
+
+
+def varying_like(out, *operands):
+    """``out`` (a pytree) cast to vary over every manual mesh axis some operand varies
+    over: ``plgpu.kernel`` traces its kernel with the varying-axes check off and returns
+    invariant outputs, which ``shard_map(check_vma=True)`` must see as varying."""
+    axes = _union_varying(operands)
+    return jax.tree.map(lambda a: _cast_varying(a, axes), out)

@@ -41,6 +41,7 @@ from aristax.pallas_kernels import frontdoor
 from aristax.pallas_kernels.moe_mlp import reference, triton
 from aristax.pallas_kernels.permute import api as permute_api
 from aristax.pallas_kernels.ragged_dot import api as ragged_dot_api
+from aristax.pallas_kernels.tiling import vary_alike
 
 OP = "moe_mlp"
 BACKENDS = {"reference": reference, "triton": triton}
@@ -251,5 +252,5 @@ def moe_mlp(
         return reference.moe_mlp(x, sort_order, weights, group_sizes, gate, up, down,
                                  activation=activation, num_valid=num_valid)
     nv = reference.valid_rows(num_valid, group_sizes)
-    return _kernel_moe_mlp(x, sort_order, weights, group_sizes, nv, gate, up, down,
-                           name, activation, interpret, _tiles_for(tiles, name))
+    operands = vary_alike(x, sort_order, weights, group_sizes, nv, gate, up, down)
+    return _kernel_moe_mlp(*operands, name, activation, interpret, _tiles_for(tiles, name))

@@ -49,6 +49,7 @@ from aristax.pallas_kernels.ragged_dot.triton import (
     DTYPES, GROUP, ROW_HI, ROW_LO, TILE, KernelTiles, TritonTiles, _load, _mask2d,
     _precision, _tail_mask, gmm_schedule,
 )
+from aristax.pallas_kernels.tiling import out_type
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,7 +252,7 @@ def gate_up(x, sort_order, num_valid, group_sizes, gate_edf, up_edf, *, activati
     weights = (up_edf,) if gate_edf is None else (gate_edf, up_edf)
     return pl.pallas_call(
         functools.partial(_gate_up_kernel, tiles=tiles, top_k=top_k, activation=activation),
-        out_shape=jax.ShapeDtypeStruct((m, f), x.dtype),
+        out_shape=out_type((m, f), x.dtype, x, sort_order, group_sizes, *weights),
         grid=(schedule.shape[1], pl.cdiv(f, tiles.block_n)),
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps,
                                              num_stages=tiles.num_stages),
@@ -269,7 +270,7 @@ def down_combine(h, sort_order, weights, num_valid, group_sizes, down_efd, *,
     y = pl.pallas_call(
         functools.partial(_down_combine_kernel, tiles=tiles, top_k=top_k,
                           masked=not interpret),
-        out_shape=jax.ShapeDtypeStruct((t + 1, d), jnp.float32),
+        out_shape=out_type((t + 1, d), jnp.float32, h, weights, sort_order, down_efd),
         grid=(schedule.shape[1], pl.cdiv(d, tiles.block_n)),
         input_output_aliases={6: 0},
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps,

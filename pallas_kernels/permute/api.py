@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from aristax.pallas_kernels import frontdoor
 from aristax.pallas_kernels.permute import mosaic_gpu, reference, triton
+from aristax.pallas_kernels.tiling import vary_alike
 
 _BACKENDS = {"triton": triton, "mosaic_gpu": mosaic_gpu, "reference": reference}
 PERMUTE = {name: mod.permute for name, mod in _BACKENDS.items()}
@@ -128,7 +129,7 @@ def permute(
     _validate_permute(x, sort_order, top_k, num_valid)
     names = frontdoor.candidates("permute", PERMUTE, DEFAULT_ORDER, implementation)
     nv = reference.valid_count(num_valid, sort_order.shape[0])
-    return _permute(x, sort_order.astype(jnp.int32), nv, top_k, names,
+    return _permute(*vary_alike(x, sort_order.astype(jnp.int32), nv), top_k, names,
                     frontdoor.resolve_interpret(interpret))
 
 
@@ -158,5 +159,5 @@ def combine(
     _validate_combine(rows, sort_order, weights, num_valid)
     names = frontdoor.candidates("combine", COMBINE, DEFAULT_ORDER, implementation)
     nv = reference.valid_count(num_valid, sort_order.shape[0])
-    return _combine(rows, sort_order.astype(jnp.int32), weights, nv, names,
+    return _combine(*vary_alike(rows, sort_order.astype(jnp.int32), weights, nv), names,
                     frontdoor.resolve_interpret(interpret))

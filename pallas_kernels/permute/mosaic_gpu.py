@@ -37,6 +37,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from aristax.pallas_kernels.permute.reference import inverse_order, valid_count
 from aristax.pallas_kernels.ragged_dot import mosaic_gpu as mg
+from aristax.pallas_kernels.tiling import varying_like
 
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 ALIGN = 64  # D must be a multiple of this
@@ -146,10 +147,11 @@ def _permute_bwd_body(pos_gmem, nv_gmem, drows_gmem, zero_gmem, out_gmem, *, top
 
 
 def _launch(body, out_type, interpret, *args):
-    return plgpu.kernel(
+    out = plgpu.kernel(
         body, out_type=out_type, grid=(mg._num_programs(interpret),), grid_names=("sm",),
         compiler_params=mg._COMPILER_PARAMS, interpret=mg._interpret_arg(interpret),
     )(*args)
+    return varying_like(out, *args)
 
 
 def _zero_row(d: int, dtype) -> jax.Array:

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from aristax.pallas_kernels.tiling import next_pow2
+from aristax.pallas_kernels.tiling import next_pow2, out_type
 
 MAX_TOP_K = 64  # the slot loops are unrolled
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -160,7 +160,7 @@ def inverse_order(sort_order: jax.Array, *, interpret: bool = False,
     M = sort_order.shape[0]
     tiles = tiles or PermuteTiles.for_shape(M, 1)
     return _call(functools.partial(_inverse_kernel, tiles=tiles),
-                 jax.ShapeDtypeStruct((M,), jnp.int32), (pl.cdiv(M, tiles.block_rows),),
+                 out_type((M,), jnp.int32, sort_order), (pl.cdiv(M, tiles.block_rows),),
                  interpret, tiles, "inverse_order", sort_order.astype(jnp.int32))
 
 
@@ -176,7 +176,7 @@ def gather_rows(src, sort_order, scale_flat, num_valid, *, top_k: int, out_dtype
     else:
         args = (src, sort_order, scale_flat, _nv(num_valid, M))
     grid = (pl.cdiv(M, tiles.block_rows), pl.cdiv(D, tiles.block_d))
-    return _call(kernel, jax.ShapeDtypeStruct((M, D), out_dtype), grid, interpret, tiles,
+    return _call(kernel, out_type((M, D), out_dtype, *args), grid, interpret, tiles,
                  "permute_gather", *args)
 
 
@@ -193,7 +193,7 @@ def gather_sum(rows, pos, weights, num_valid, *, out_dtype, interpret: bool = Fa
     else:
         args = (rows, pos, weights, _nv(num_valid, M))
     grid = (pl.cdiv(T, tiles.block_rows), pl.cdiv(D, tiles.block_d))
-    return _call(kernel, jax.ShapeDtypeStruct((T, D), out_dtype), grid, interpret, tiles,
+    return _call(kernel, out_type((T, D), out_dtype, *args), grid, interpret, tiles,
                  "combine_gather_sum", *args)
 
 
@@ -203,7 +203,7 @@ def gather_dot(dy, rows, pos, num_valid, *, out_dtype, interpret: bool = False,
     (T, K), (M, D) = pos.shape, rows.shape
     tiles = tiles or PermuteTiles.for_shape(T, D)
     kernel = functools.partial(_gather_dot_kernel, tiles=tiles)
-    return _call(kernel, jax.ShapeDtypeStruct((T, K), out_dtype),
+    return _call(kernel, out_type((T, K), out_dtype, dy, rows, pos),
                  (pl.cdiv(T, tiles.block_rows),), interpret, tiles, "combine_gather_dot",
                  dy, rows, pos, _nv(num_valid, M))
 

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from aristax.pallas_kernels import frontdoor
+from aristax.pallas_kernels.tiling import vary_alike
 
 OP = "ragged_dot"
 # Registering a backend module of this folder is adding its name here.
@@ -150,5 +151,5 @@ def ragged_dot(
     if name == "reference":
         return BACKENDS["reference"].ragged_dot(
             lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
-    return _kernel_ragged_dot(lhs, rhs, group_sizes, name, out_dtype, interpret,
+    return _kernel_ragged_dot(*vary_alike(lhs, rhs, group_sizes), name, out_dtype, interpret,
                               _tiles_for(tiles, name))

@@ -67,6 +67,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as _gpu_callbacks
 from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
+from aristax.pallas_kernels.tiling import varying_like
+
 INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 ALIGN = 64  # K and N must be multiples of this (smallest block_k / block_n).
@@ -565,8 +567,9 @@ def _tgmm_body(info_gmem, lhs_gmem, dout_gmem, out_gmem, *, tiles: MosaicTiles,
 
 
 def _launch(body, out_type, interpret):
-    """A persistent Mosaic GPU kernel over ``grid=(programs,)`` named "sm"."""
-    return plgpu.kernel(
+    """A persistent Mosaic GPU kernel over ``grid=(programs,)`` named "sm", whose
+    outputs vary like its operands inside ``shard_map`` (``varying_like``)."""
+    kernel = plgpu.kernel(
         body,
         out_type=out_type,
         grid=(_num_programs(interpret),),
@@ -574,6 +577,7 @@ def _launch(body, out_type, interpret):
         compiler_params=_COMPILER_PARAMS,
         interpret=_interpret_arg(interpret),
     )
+    return lambda *operands: varying_like(kernel(*operands), *operands)
 
 
 # ---------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from aristax.pallas_kernels.tiling import is_pow2
+from aristax.pallas_kernels.tiling import is_pow2, out_type
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 MIN_TILE = 16  # Triton's tl.dot needs every dot dimension >= 16.
@@ -272,7 +272,7 @@ def gmm(lhs, rhs, group_sizes, *, out_dtype, tiles=None, interpret=False) -> jax
     schedule = gmm_schedule(group_sizes, m, kt.block_m)
     return pl.pallas_call(
         functools.partial(_gmm_kernel, tiles=kt, dims=(m, k, n)),
-        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        out_shape=out_type((m, n), out_dtype, lhs, rhs, group_sizes),
         grid=(schedule.shape[1], pl.cdiv(n, kt.block_n)),
         compiler_params=plgpu.CompilerParams(num_warps=kt.num_warps,
                                              num_stages=kt.num_stages),
@@ -325,7 +325,7 @@ def tgmm(lhs, dout, group_sizes, *, out_dtype, tiles=None, interpret=False) -> j
     kt = _resolve_tiles(tiles, m, k, n, lhs.dtype).tgmm
     return pl.pallas_call(
         functools.partial(_tgmm_kernel, tiles=kt, dims=(m, k, n)),
-        out_shape=jax.ShapeDtypeStruct((g, k, n), out_dtype),
+        out_shape=out_type((g, k, n), out_dtype, lhs, dout, group_sizes),
         grid=(g, pl.cdiv(k, kt.block_k), pl.cdiv(n, kt.block_n)),
         compiler_params=plgpu.CompilerParams(num_warps=kt.num_warps,
                                              num_stages=kt.num_stages),

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from aristax.pallas_kernels import frontdoor
 from aristax.pallas_kernels.route import reference, triton
 from aristax.pallas_kernels.route.reference import SCORES, RouteOutput
+from aristax.pallas_kernels.tiling import vary_alike
 
 BACKENDS: dict[str, Callable[..., RouteOutput]] = {
     "triton": triton.route,
@@ -136,5 +137,5 @@ def route(
     """
     _validate(x, w_router, bias, top_k, score)
     names = frontdoor.candidates("route", BACKENDS, DEFAULT_ORDER, implementation)
-    return _route(x, w_router, bias, top_k, score, bool(normalize), names,
+    return _route(*vary_alike(x, w_router, bias), top_k, score, bool(normalize), names,
                   frontdoor.resolve_interpret(interpret))

@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from aristax.pallas_kernels.route.reference import RouteOutput
-from aristax.pallas_kernels.tiling import next_pow2
+from aristax.pallas_kernels.tiling import next_pow2, out_type
 
 MAX_EXPERTS = 1024  # Ep x BT tiles beyond this spill registers; fall back instead.
 MAX_TOP_K = 64  # the top-k rounds are unrolled
@@ -239,12 +239,13 @@ def _router_call(x, w_router, bias, *, top_k, score, normalize, interpret, tiles
     (T, _), E = x.shape, w_router.shape[1]
     nb = pl.cdiv(T, tiles.block_t)
     i32, f32 = jnp.int32, jnp.float32
-    per_slot = [jax.ShapeDtypeStruct((T, top_k), dt) for dt in (i32, f32, i32)]
+    operands = (x, w_router, bias)
+    per_slot = [out_type((T, top_k), dt, *operands) for dt in (i32, f32, i32)]
     return pl.pallas_call(
         functools.partial(_router_kernel, top_k=top_k, score=score, normalize=normalize,
                           tiles=tiles),
-        out_shape=(jax.ShapeDtypeStruct((T, E), f32), *per_slot,
-                   jax.ShapeDtypeStruct((nb, padded_experts(E)), i32)),
+        out_shape=(out_type((T, E), f32, *operands), *per_slot,
+                   out_type((nb, padded_experts(E)), i32, *operands)),
         grid=(nb,), compiler_params=tiles.params(), interpret=interpret, name="route_topk",
     )(x, w_router, bias)
 
@@ -254,7 +255,7 @@ def _order_call(ids, rank, base, nf_rows, *, interpret, tiles):
     T, K = ids.shape
     return pl.pallas_call(
         functools.partial(_order_kernel, tiles=tiles),
-        out_shape=jax.ShapeDtypeStruct((T * K,), jnp.int32),
+        out_shape=out_type((T * K,), jnp.int32, ids, rank, base, nf_rows),
         grid=(pl.cdiv(T, tiles.block_t),), compiler_params=tiles.params(),
         interpret=interpret, name="route_order",
     )(ids, rank, base, nf_rows)

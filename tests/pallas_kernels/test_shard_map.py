@@ -1,0 +1,86 @@
+"""Every kernel inside ``shard_map`` (the expert-parallel layer's setting), lowered for
+CUDA on this CPU machine.
+
+Tokens vary over the mesh axis; the weights are replicated (invariant). Under
+``check_vma=True`` (the default, and ``aristax.parallel``'s) a kernel's output type must
+say how it varies, and the ``custom_vjp`` must return cotangents of its operands'
+types; the front doors cast the operands alike, so the replicated weights' gradients
+come back through a psum.
+
+Pallas interpret mode cannot run here: JAX 0.10's interpreter fails its own
+varying-axes check inside ``shard_map``, so this exports the compiled kernels instead.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from aristax.pallas_kernels import combine, moe_mlp, permute, ragged_dot, route
+
+CHECKS = {"triton": [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+          "mosaic_gpu": []}
+N = 8  # devices
+T, D, F, E, K = 64, 64, 128, 4, 2  # per device
+
+
+def _ragged_dot(impl, x, w, order, sizes, gate, up, down):
+    return ragged_dot(x, up, sizes[:E], implementation=impl, interpret=False)
+
+
+def _permute_combine(impl, x, w, order, sizes, gate, up, down):
+    rows = permute(x, order, top_k=K, implementation=impl, interpret=False)
+    return combine(rows.astype(jnp.float32), order, w, implementation=impl,
+                   interpret=False)
+
+
+def _route(impl, x, w, order, sizes, gate, up, down):
+    return route(x.astype(jnp.float32), up[:, :, 0].T.astype(jnp.float32), top_k=K,
+                 implementation=impl, interpret=False).weights
+
+
+def _moe_mlp(impl, x, w, order, sizes, gate, up, down):
+    return moe_mlp(x, order, w, sizes[:E], gate, up, down, activation="swiglu",
+                   implementation=impl, interpret=False)
+
+
+CASES = {  # id: (op, implementation, kernels the exported gradient must contain)
+    "ragged_dot-triton": (_ragged_dot, "triton", ("ragged_dot_gmm", "ragged_dot_tgmm")),
+    "ragged_dot-mosaic_gpu": (_ragged_dot, "mosaic_gpu", ("mosaic_gpu",)),
+    "permute_combine-triton": (_permute_combine, "triton",
+                               ("permute_gather", "combine_gather_sum")),
+    "permute-mosaic_gpu": (_permute_combine, ["mosaic_gpu", "reference"], ("mosaic_gpu",)),
+    "route-triton": (_route, "triton", ("route_topk",)),
+    "moe_mlp-triton": (_moe_mlp, "triton", ("moe_mlp_gate_up", "ragged_dot_tgmm")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gradient_inside_shard_map_lowers_for_cuda(case):
+    op, impl, kernels = CASES[case]
+    backend = impl if isinstance(impl, str) else impl[0]
+    mesh = jax.make_mesh((N,), ("e",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+    def loss(x, w, order, sizes, gate, up, down):
+        def local(*a):
+            return jax.lax.psum(jnp.sum(op(impl, *a).astype(jnp.float32) ** 2), "e")
+
+        return jax.shard_map(local, mesh=mesh, out_specs=P(),
+                             in_specs=(P("e"),) * 4 + (P(),) * 3)(
+            x, w, order, sizes, gate, up, down)
+
+    def struct(shape, dtype, spec):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+    bf16 = jnp.bfloat16
+    avals = (struct((N * T, D), bf16, P("e")), struct((N * T, K), jnp.float32, P("e")),
+             struct((N * T * K,), jnp.int32, P("e")), struct((N * E,), jnp.int32, P("e")),
+             struct((E, D, F), bf16, P()), struct((E, D, F), bf16, P()),
+             struct((E, F, D), bf16, P()))
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 4, 5, 6)))
+    text = jax.export.export(grad, platforms=["cuda"], disabled_checks=CHECKS[backend])(
+        *avals).mlir_module()
+    for kernel in kernels:
+        assert kernel in text, kernel
