@@ -100,7 +100,8 @@ def moe(
 
     dtype = jnp.dtype(config.dtype) if config.dtype is not None else x.dtype
     xc = x.astype(dtype)
-    y = routed_experts(xc, routing, dispatch, params, config)
+    y = routed_experts(xc, dispatch, routing.weights, params, config,
+                       dropless=is_dropless(config, xc.shape[0]))
     if params.shared_up_df is not None:
         y = y + dense_mlp(xc, params.shared_gate_df, params.shared_up_df,
                           params.shared_down_fd, activation=config.activation)
@@ -109,33 +110,58 @@ def moe(
 
 def routed_experts(
     xc: jax.Array,
-    routing: routing_lib.Routing,
     dispatch: dispatch_lib.Dispatch,
+    weights: jax.Array,
     params: MoEParams,
     config: MoEConfig,
+    *,
+    dropless: bool,
 ) -> jax.Array:
     """The routed experts' weighted sum y[T, D] (float32; float64 for float64 xc).
 
-    permute -> ``expert_mlp`` -> combine; on the dropless path, when
+    permute -> ``expert_mlp`` -> combine; when ``dispatch`` is ``dropless`` and
     ``config.implementation`` picks a kernel backend of ``pallas_kernels.moe_mlp``
-    (``moe_mlp.fused_backend``: never for None or "reference" first), the fused op
-    does all three instead. xc: [T, D] in the compute dtype.
+    (``fused_experts``), the fused op does all three instead. xc: [T, D] in the
+    compute dtype; weights: [T, K] combine weights.
     """
-    fused = None
-    if is_dropless(config, xc.shape[0]):
-        fused = fused_backend(config.implementation, xc, routing.weights, params.up_edf)
-    if fused is not None:
-        gate = None if config.activation == "gelu" else params.gate_edf
-        return moe_mlp(xc, dropless_sort_order(dispatch), routing.weights,
-                       dispatch.group_sizes, gate, params.up_edf, params.down_efd,
-                       activation=config.activation, num_valid=dispatch.num_routed,
-                       implementation=fused)
+    if dropless:
+        y = fused_experts(xc, dropless_sort_order(dispatch), weights, dispatch.group_sizes,
+                          dispatch.num_routed, params, config)
+        if y is not None:
+            return y
     rows = dispatch_lib.permute(xc, dispatch)
     out_rows = expert_mlp(
         rows, dispatch.group_sizes, params.gate_edf, params.up_edf, params.down_efd,
         activation=config.activation, implementation=config.implementation,
     )
-    return dispatch_lib.combine(out_rows, dispatch, routing.weights)
+    return dispatch_lib.combine(out_rows, dispatch, weights)
+
+
+def fused_experts(
+    x: jax.Array,
+    sort_order: jax.Array,
+    weights: jax.Array,
+    group_sizes: jax.Array,
+    num_valid: jax.Array,
+    params: MoEParams,
+    config: MoEConfig,
+) -> jax.Array | None:
+    """``moe_mlp`` (gather, expert MLP, weighted combine in one kernel op) on the kernel
+    backend that ``config.implementation`` picks, or None when it picks none
+    (``moe_mlp.fused_backend``: never for None or "reference" first); callers then run
+    the unfused path.
+
+    x: [T, D] compute dtype; sort_order: int32[T*K] flat slot of each row in expert
+    order; weights: [T, K]; group_sizes: int32[E]; num_valid: routed rows (rows past it
+    add nothing). Returns y [T, D] in the accumulation dtype, or None.
+    """
+    fused = fused_backend(config.implementation, x, weights, params.up_edf)
+    if fused is None:
+        return None
+    gate = None if config.activation == "gelu" else params.gate_edf
+    return moe_mlp(x, sort_order, weights, group_sizes, gate, params.up_edf,
+                   params.down_efd, activation=config.activation, num_valid=num_valid,
+                   implementation=fused)
 
 
 def dropless_sort_order(dispatch: dispatch_lib.Dispatch) -> jax.Array:

@@ -56,7 +56,7 @@ from aristax import dispatch as dispatch_lib
 from aristax import routing as routing_lib
 from aristax.config import MoEConfig
 from aristax.experts import dense_mlp, expert_mlp
-from aristax.moe import MoEParams, make_dispatch, router_logits
+from aristax.moe import MoEParams, fused_experts, make_dispatch, router_logits
 from aristax.parallel import overlap
 from aristax.parallel.collectives import check_backend, default_backend, exchange
 from aristax.parallel.mesh import (EMPTY_SLOT, expert_axes_of, expert_permutation,
@@ -118,8 +118,16 @@ def regroup_order(recv_counts: jax.Array, buffer_size: int) -> tuple[jax.Array, 
 def local_experts(recv: jax.Array, recv_counts: jax.Array, params: MoEParams, config: MoEConfig,
                   buffer_size: int) -> jax.Array:
     """Run this device's El experts on the received rows: [G*B, D] -> [G*B, D] (acc dtype),
-    each output row in its received place (padding rows give 0)."""
+    each output row in its received place (padding rows give 0).
+
+    The received rows are tokens with one slot each (K = 1, weight 1), so the fused
+    ``moe_mlp`` serves them when ``config.implementation`` picks it: its gather prologue
+    reads them in expert order and its epilogue writes each back in place."""
     order, sizes = regroup_order(recv_counts, buffer_size)
+    ones = jnp.ones((recv.shape[0], 1), recv.dtype)
+    out = fused_experts(recv, order, ones, sizes, jnp.sum(sizes), params, config)
+    if out is not None:
+        return out
     out = expert_mlp(jnp.take(recv, order, axis=0), sizes, params.gate_edf, params.up_edf,
                      params.down_efd, activation=config.activation,
                      implementation=config.implementation)

@@ -56,8 +56,8 @@ import numpy as np
 from aristax import dispatch as dispatch_lib
 from aristax import routing as routing_lib
 from aristax.config import MoEConfig
-from aristax.experts import dense_mlp, expert_mlp
-from aristax.moe import MoEParams, make_dispatch, moe_aux, router_logits
+from aristax.experts import dense_mlp
+from aristax.moe import MoEParams, make_dispatch, moe_aux, routed_experts, router_logits
 
 Bounds = tuple[tuple[int, int], ...]
 
@@ -173,12 +173,10 @@ def chunk_routing(routing: routing_lib.Routing, kept: jax.Array, start: int,
 def chunk_experts(xc: jax.Array, routing: routing_lib.Routing, params: MoEParams,
                   config: MoEConfig) -> jax.Array:
     """One chunk on one device: xc[Tc, D] (compute dtype), routing [Tc, K] with mask =
-    kept slots -> routed-expert output [Tc, D] in the accumulation dtype."""
-    d = dispatch_lib.dropless_dispatch(routing)
-    rows = dispatch_lib.permute(xc, d)
-    out = expert_mlp(rows, d.group_sizes, params.gate_edf, params.up_edf, params.down_efd,
-                     activation=config.activation, implementation=config.implementation)
-    return dispatch_lib.combine(out, d, routing.weights)
+    kept slots -> routed-expert output [Tc, D] in the accumulation dtype (dropless
+    layout of the kept slots, so the fused ``moe_mlp`` kernels serve it too)."""
+    return routed_experts(xc, dispatch_lib.dropless_dispatch(routing), routing.weights,
+                          params, config, dropless=True)
 
 
 def chunked_moe(

@@ -23,3 +23,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def fused_moe_mlp_calls(monkeypatch):
+    """Shapes of x in each call of the Triton ``moe_mlp`` kernel backend (recorded at
+    trace time): a test of a layer on ``implementation="triton"`` asserts the fused op
+    really served it rather than the unfused fallback."""
+    from aristax.pallas_kernels.moe_mlp import triton
+
+    calls = []
+    kernel = triton.moe_mlp
+
+    def recording(x, *args, **kwargs):
+        calls.append(tuple(x.shape))
+        return kernel(x, *args, **kwargs)
+
+    monkeypatch.setattr(triton, "moe_mlp", recording)
+    return calls

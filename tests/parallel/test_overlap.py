@@ -71,6 +71,31 @@ def test_chunked_equals_unchunked(name):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
 
 
+def test_chunks_run_on_the_fused_kernel(fused_moe_mlp_calls):
+    """implementation="triton" (interpret mode here): every chunk goes through the fused
+    moe_mlp, its dropped slots past num_valid, and equals the unchunked reference
+    layer, values and gradients (the dropless case runs in tests/test_layers.py)."""
+    cfg = MoEConfig(num_experts=4, d_model=D, d_ff=F, **CONFIGS["capacity_position_top3"])
+    params = make_params(cfg)
+    x = jax.random.normal(jax.random.key(3), (T, D))
+    ct = jax.random.normal(jax.random.key(4), (T, D))
+    fused = cfg.replace(implementation="triton")
+
+    def value_and_grad(f):  # ((<y, ct>, y), d/d(x, params))
+        def loss(x, p):
+            y = f(x, p)[0]
+            return jnp.sum(y * ct), y
+
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, params)
+
+    assert int(jax.jit(lambda x, p: moe(x, p, cfg)[1]["num_dropped"])(x, params)) > 0
+    got = value_and_grad(lambda x, p: overlap.chunked_moe(x, p, fused, num_chunks=3))
+    assert len(fused_moe_mlp_calls) == 3, fused_moe_mlp_calls
+    want = value_and_grad(lambda x, p: moe(x, p, cfg))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=2e-5)
+
+
 def test_naive_micro_batching_would_differ():
     """Per-chunk capacity C/k (no carry) changes the drops: the test above can fail."""
     cfg = MoEConfig(num_experts=4, top_k=2, d_model=D, d_ff=F, capacity_factor=0.75)
