@@ -11,6 +11,9 @@ top-2, 32 heads, 8 KV heads, vocab 32000), random weights, float32, on this mach
   K experts, LM head, the KV cache) / the weight-streaming bandwidth of a float32
   4096x16384 matrix-vector product measured in the same run (before and after our
   decode; the fastest of JAX in both weight layouts, numpy and torch);
+* the GEMV floor: the same weights in the step's own shapes ([out, in] matrices of
+  1-33 MB, one after another), timed as a chain of bare matrix-vector products in JAX
+  and torch; it says how much of the gap to the roofline these shapes cost anyone;
 * decode latency vs number of experts (top-2; models of ``--sweep-layers`` layers,
   measured round-robin): decode reads only the 2 selected experts, so it should stay
   flat;
@@ -136,6 +139,63 @@ def streaming_bandwidth(rows=4096, cols=16384, reps=30) -> dict:
                               "gb_per_s_median": w.nbytes / med / 1e9}
     res["fastest"] = max(res["forms"], key=lambda k: res["forms"][k]["gb_per_s_best"])
     res["gb_per_s_best"] = res["forms"][res["fastest"]]["gb_per_s_best"]
+    return res
+
+
+def active_gemvs(weights, top_k: int) -> list:
+    """The [out, in] weights one decode token streams, in step order: per layer q|k|v,
+    o and the gate|up and down of ``top_k`` experts (the first ones: any K read the
+    same bytes), then the LM head."""
+    mats = []
+    for layer in weights.layers:
+        gate_ups, downs = layer.experts
+        mats += [layer.qkv_nd, layer.o_dn]
+        for gate_up, down in zip(gate_ups[:top_k], downs[:top_k]):
+            mats += [gate_up, down]
+    return mats + [weights.head_vd]
+
+
+def gemv_floor(weights, top_k: int, reps=10) -> dict:
+    """The same GEMV shapes as a decode step, and nothing else: a dependent chain over
+    ``active_gemvs`` (each product's input is built from the last output, so nothing
+    reorders or overlaps across layers; the K experts of a layer are independent, as in
+    the step). Timed in JAX (one jitted call on the model's own decode weights) and in
+    torch (zero-copy views of the same buffers); best of ``reps`` each. This is the
+    bandwidth the model's shapes get here, where the roofline's one 268 MB product
+    streams fastest."""
+    mats = active_gemvs(weights, top_k)
+    per_layer = 2 + 2 * top_k
+    nbytes = sum(m.nbytes for m in mats)
+
+    def chain(mm, v, nonlin):
+        for i in range(0, len(mm) - 1, per_layer):
+            qkv, o, *experts = mm[i:i + per_layer]
+            v = v + o @ nonlin((qkv @ v)[:o.shape[1]])
+            h = 0
+            for gate_up, down in zip(experts[::2], experts[1::2]):
+                gu = gate_up @ v
+                h = h + down @ (nonlin(gu[:down.shape[1]]) * gu[down.shape[1]:])
+            v = v + h
+        return mm[-1] @ v
+
+    jchain = jax.jit(lambda mm, v: chain(mm, v, jax.nn.silu))
+    v = jnp.full((mats[0].shape[1],), 0.01, mats[0].dtype)
+    forms = {"jax": lambda: jchain(mats, v).block_until_ready()}
+    try:
+        import torch
+
+        tm = [torch.from_numpy(np.asarray(m)) for m in mats]  # views, read only
+        tv = torch.from_numpy(np.asarray(v).copy())
+        forms["torch"] = lambda: chain(tm, tv, torch.nn.functional.silu)
+    except ImportError:
+        pass
+    res = {"bytes": nbytes, "forms": {}}
+    for name, fn in forms.items():
+        best, med = _best_and_median(fn, reps)
+        res["forms"][name] = {"best_ms": 1e3 * best, "median_ms": 1e3 * med,
+                              "gb_per_s_best": nbytes / best / 1e9}
+    res["fastest"] = min(res["forms"], key=lambda k: res["forms"][k]["best_ms"])
+    res["ms"] = res["forms"][res["fastest"]]["best_ms"]
     return res
 
 
@@ -277,9 +337,12 @@ def main(args):
         log(f"round {r + 1}/{args.rounds}: bandwidth, aristax decode, HF decode ...")
         bw = streaming_bandwidth()
         roofline = 1e3 * nbytes / (bw["gb_per_s_best"] * 1e9)
+        floor = gemv_floor(weights, cfg.num_experts_per_tok)
         ours = ours_decode(model, prompt, args.new_tokens, weights, repeats=1)
         rnd = {"bandwidth": bw, "roofline_ms": roofline, "ours": strip(ours),
-               **ratios("ours", ours, roofline)}
+               **ratios("ours", ours, roofline), "gemv_floor": floor,
+               "gemv_floor_ms": floor["ms"],
+               "ours_over_gemv_floor_median": ours["ms_per_token_median"] / floor["ms"]}
         if hf is not None:
             ref = hf_decode(hf, prompt, args.new_tokens)
             same = (ours["tokens"] == ref["tokens"])[0]
