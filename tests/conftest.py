@@ -5,6 +5,8 @@ XLA_FLAGS must be set before jax initialises its backends, so this runs at impor
 
 import os
 
+# pytest-xdist workers share a GPU where there is one: no worker may preallocate it
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
