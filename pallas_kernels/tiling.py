@@ -37,7 +37,9 @@ def _union_varying(arrays) -> frozenset:
 
 def _cast_varying(a, axes: frozenset):
     """a made to vary over ``axes`` too (None and Python scalars pass through)."""
-    missing = axes - _varying(a) if isinstance(a, jax.Array) else frozenset()
+    if not isinstance(a, jax.Array):
+        return a
+    missing = axes - _varying(a)
     return jax.lax.pcast(a, tuple(sorted(missing)), to="varying") if missing else a
 
 
@@ -53,7 +55,6 @@ def vary_alike(*operands) -> tuple:
     """
     axes = _union_varying(operands)
     return tuple(_cast_varying(a, axes) for a in operands)
-
 
 
 def varying_like(out, *operands):
