@@ -76,5 +76,6 @@ def left_padded(rng: np.random.Generator, lengths, seq: int, vocab: int):
 
 def hf_logits(hf, ids, mask=None, **kw):
     with torch.no_grad():
-        return hf(torch.as_tensor(ids), attention_mask=None if mask is None
-                  else torch.as_tensor(mask), **kw)
+        # torch.tensor copies: ids may be a read-only view of a JAX array
+        return hf(torch.tensor(np.asarray(ids)), attention_mask=None if mask is None
+                  else torch.tensor(np.asarray(mask)), **kw)
