@@ -18,13 +18,6 @@ SMALL, LARGE = 7, 150  # the two paths: T <= MAX_TOKENS < T
 D, F, E = 16, 24, 6
 
 
-def experts_out_in(module: MoE) -> sparse_moe.ExpertWeights:
-    """The layer's experts as sparse_moe takes them (Mixtral.decode_weights' layout)."""
-    ex = module.experts
-    gate_up = jnp.concatenate([ex.gate_edf[...], ex.up_edf[...]], axis=2)
-    return tuple(w.T for w in gate_up), tuple(w.T for w in ex.down_efd[...])
-
-
 def run_and_compare(cfg: MoEConfig, x, router_de=None, bias=None, seed=0):
     module = MoE(cfg, rngs=nnx.Rngs(seed))
     if router_de is None:
@@ -33,7 +26,7 @@ def run_and_compare(cfg: MoEConfig, x, router_de=None, bias=None, seed=0):
     p = {"router_de": router_de, "gate_edf": module.experts.gate_edf[...],
          "up_edf": module.experts.up_edf[...], "down_efd": module.experts.down_efd[...]}
     y, logits = jax.jit(sparse_moe.sparse_moe, static_argnums=(3, 4))(
-        x, router_de, experts_out_in(module), cfg.router_config, cfg.activation, bias=bias)
+        x, router_de, sparse_moe.expert_weights(module.experts), cfg.router_config, cfg.activation, bias=bias)
     pl = ref.plan(x, router_de, cfg, bias=None if bias is None else np.asarray(bias))
     np.testing.assert_allclose(np.asarray(y), ref.forward(x, p, cfg, pl), rtol=2e-5,
                                atol=2e-5)

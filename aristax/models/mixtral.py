@@ -428,12 +428,8 @@ class DecoderLayer(nnx.Module):
     def decode_weights(self) -> LayerDecodeWeights:
         """This layer's ``LayerDecodeWeights`` (copies; experts None where
         ``sparse_moe.supports`` rejects the MoE config)."""
-        experts = None
-        if sparse_moe.supports(self.moe.config):
-            ex = self.moe.experts
-            gate_up = jnp.concatenate([ex.gate_edf[...], ex.up_edf[...]], axis=2)  # [E,D,2F]
-            experts = (tuple(jnp.asarray(w.T) for w in gate_up),
-                       tuple(jnp.asarray(w.T) for w in ex.down_efd[...]))
+        experts = (sparse_moe.expert_weights(self.moe.experts)
+                   if sparse_moe.supports(self.moe.config) else None)
         return LayerDecodeWeights(*self.attn.decode_weights(), experts=experts)
 
 

@@ -45,6 +45,15 @@ MAX_TOKENS = 64
 ExpertWeights = tuple[Sequence[jax.Array], Sequence[jax.Array]]
 
 
+def expert_weights(experts) -> ExpertWeights:
+    """``ExpertWeights`` of an ``aristax.MoE``'s gated experts module (stacked
+    gate_edf, up_edf [E, D, F], down_efd [E, F, D]): per expert gate|up [2F, D] and
+    down [D, F], new arrays (make them once, outside ``jit``)."""
+    gate_up = jnp.concatenate([experts.gate_edf[...], experts.up_edf[...]], axis=2)
+    return (tuple(jnp.asarray(w.T) for w in gate_up),
+            tuple(jnp.asarray(w.T) for w in experts.down_efd[...]))
+
+
 def supports(config) -> bool:
     """Whether ``sparse_moe`` computes this ``MoEConfig``'s layer exactly: dropless
     token-choice routing, gated experts in the input's dtype, no shared experts."""
@@ -126,7 +135,8 @@ def sparse_moe(
     x: jax.Array, router_de: jax.Array, experts: ExpertWeights, config: RouterConfig,
     activation: str = "swiglu", *, bias: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Mixtral MoE for a few tokens, reading only the selected experts.
+    """Mixtral MoE reading only the selected experts (all rows per expert up to
+    ``MAX_TOKENS`` tokens, rows grouped by expert beyond).
 
     Args:
       x: [T, D].

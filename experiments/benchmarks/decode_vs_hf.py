@@ -9,8 +9,8 @@ top-2, 32 heads, 8 KV heads, vocab 32000), random weights, float32, on this mach
   is ``generate`` without its logits processors);
 * the roofline: bytes of the weights one decode token must read (attention, router,
   K experts, LM head, the KV cache) / the weight-streaming bandwidth of a float32
-  4096x16384 matrix-vector product measured in the same run (before and after our
-  decode; the fastest of JAX in both weight layouts, numpy and torch);
+  4096x16384 matrix-vector product measured in each round, just before our decode
+  (the fastest of JAX in both weight layouts, numpy and torch);
 * the GEMV floor: the same weights in the step's own shapes ([out, in] matrices of
   1-33 MB, one after another), timed as a chain of bare matrix-vector products in JAX
   and torch; it says how much of the gap to the roofline these shapes cost anyone;
@@ -47,7 +47,7 @@ def parse_args(argv=None):
                    help="layers of the sweep models (all are held in memory at once)")
     p.add_argument("--sweep-rounds", type=int, default=4)
     p.add_argument("--rounds", type=int, default=3,
-                   help="rounds of (bandwidth, aristax, HF) for the batch-1 decode")
+                   help="rounds of (bandwidth, GEMV floor, aristax, HF) for the batch-1 decode")
     p.add_argument("--batch", type=int, default=8, help="batched decode (0 to skip)")
     p.add_argument("--prefill", type=int, default=512, help="prefill length (0 to skip)")
     p.add_argument("--no-hf", action="store_true", help="skip Hugging Face")
@@ -328,7 +328,7 @@ def main(args):
     prompt = rng.integers(0, cfg.vocab_size, size=(1, args.prompt)).astype(np.int32)
     cache_len = args.prompt + args.new_tokens
     nbytes = weight_bytes_per_token(cfg, cache_len)
-    # Rounds of (bandwidth, aristax, HF): the other tenants' load on this machine
+    # Rounds of (bandwidth, GEMV floor, aristax, HF): the other tenants' load on this machine
     # drifts over minutes, so each round's ratios compare measurements seconds apart.
     # compile both steps at the measured cache length
     generate_with_stats(model, prompt, args.new_tokens, decode_weights=weights)
