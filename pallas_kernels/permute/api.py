@@ -4,7 +4,7 @@ Letters: T tokens, D model dim, K slots per token, M = T*K rows in expert order.
 
 Each backend provides four functions (forward and backward of both ops); the
 ``custom_vjp`` calls the first backend in the list that serves each of them
-("mosaic_gpu" serves permute and its backward only).
+("mosaic_gpu" serves permute for D % 64 == 0, combine for D % 128 == 0).
 permute's backward is an unweighted combine, combine's backward a weighted permute
 (drows) and a per-slot dot (dweights), so no backward needs a scatter-add.
 """
@@ -121,7 +121,7 @@ def permute(
         all T*K rows.
       implementation: backend name or ordered list ("triton", "mosaic_gpu",
         "reference"); None = the platform default ("triton", then "reference", on GPU:
-        Mosaic GPU's per-row TMA gather has not been timed against Triton's on a GPU).
+        Mosaic GPU's per-row TMA gathers have not been timed against Triton on a GPU).
         interpret: Pallas interpret mode; None = on CPU.
     Returns:
       rows [T*K, D] in x's dtype. Backward: dx[t] = sum of drows over t's valid rows.

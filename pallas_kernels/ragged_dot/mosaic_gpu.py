@@ -396,35 +396,40 @@ def _mma(acc_ref, a, b, steps: int) -> None:
 
 
 def _store_rows(tile, out_gmem, row0, lo, hi, col0, max_rows: int) -> None:
-    """out[row0+lo : row0+hi, col0 : col0+bn] = tile[lo:hi] via SMEM and TMA stores.
+    """out[row0+lo : row0+hi, col0 : col0+bn] = tile[lo:hi] via SMEM and TMA stores."""
+
+    def scope(o_smem):
+        o_smem[...] = tile
+        _store_smem_rows(o_smem, out_gmem, row0, lo, hi, col0, max_rows)
+
+    pl.run_scoped(scope, plgpu.SMEM(tile.shape, out_gmem.dtype))
+
+
+def _store_smem_rows(o_smem, out_gmem, row0, lo, hi, col0, max_rows: int) -> None:
+    """out[row0+lo : row0+hi, col0 : col0+bn] = o_smem[lo:hi] by TMA stores.
 
     ``hi - lo`` is only known at run time, a TMA box's shape at compile time: the
     rows go out as a ladder of power-of-two boxes (largest first), one per set bit
     of ``hi - lo``. ``max_rows`` (<= the tile height) bounds ``hi - lo``.
     """
-    bm, bn = tile.shape
+    bn = o_smem.shape[1]
+    plgpu.commit_smem()
+    size = hi - lo
+    offset = lo
+    rows = 1 << int(math.log2(max_rows))
+    while rows >= 1:
+        this = rows
 
-    def scope(o_smem):
-        o_smem[...] = tile
-        plgpu.commit_smem()
-        size = hi - lo
-        offset = lo
-        rows = 1 << int(math.log2(max_rows))
-        while rows >= 1:
-            this = rows
+        @pl.when((size & this) != 0)
+        def _():
+            plgpu.copy_smem_to_gmem(
+                o_smem.at[pl.ds(offset, this)],
+                out_gmem.at[pl.ds(row0 + offset, this), pl.ds(col0, bn)],
+            )
 
-            @pl.when((size & this) != 0)
-            def _():
-                plgpu.copy_smem_to_gmem(
-                    o_smem.at[pl.ds(offset, this)],
-                    out_gmem.at[pl.ds(row0 + offset, this), pl.ds(col0, bn)],
-                )
-
-            offset = offset + (size & this)
-            rows //= 2
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    pl.run_scoped(scope, plgpu.SMEM((bm, bn), out_gmem.dtype))
+        offset = offset + (size & this)
+        rows //= 2
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _gmm_tile(lhs_gmem, rhs_gmem, block, ni, tiles: MosaicTiles) -> jax.Array:

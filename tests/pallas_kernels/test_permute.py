@@ -28,8 +28,6 @@ BACKENDS = sorted(api.PERMUTE)
 # "bf16_d128" is also a shape Mosaic GPU serves (D a multiple of 64).
 SHAPES = {"f32": (11, 20, 3, 8, jnp.float32), "bf16": (9, 40, 2, 4, jnp.bfloat16),
           "bf16_d128": (9, 128, 2, 4, jnp.bfloat16)}
-# Mosaic GPU serves permute (and its backward) only; combine falls back (its docstring).
-MOSAIC_COMBINE = ["mosaic_gpu", "reference"]
 TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 TRITON_CUDA = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
 
@@ -78,10 +76,9 @@ def _run(backend: str | None, top_k: int):
             c_fn = lambda r, w: reference.combine(r, order, w, nv)  # noqa: E731
         else:
             kw = dict(num_valid=nv, interpret=True)
-            c_impl = MOSAIC_COMBINE if backend == "mosaic_gpu" else backend
             p_fn = lambda x: permute(x, order, top_k=top_k, implementation=backend,  # noqa: E731
                                      **kw)
-            c_fn = lambda r, w: combine(r, order, w, implementation=c_impl, **kw)  # noqa: E731
+            c_fn = lambda r, w: combine(r, order, w, implementation=backend, **kw)  # noqa: E731
         perm, p_vjp = jax.vjp(p_fn, x)
         y, c_vjp = jax.vjp(c_fn, rows, weights)
         return (perm, *p_vjp(ct_rows), y, *c_vjp(dy))
@@ -110,6 +107,29 @@ def test_matches_reference_and_gradients(backend, shape):
         for label, a, b in zip(labels, got, want):
             assert a.dtype == b.dtype, (name, label, a.dtype, b.dtype)
             _close(a, b, dtype, f"{name}: {label}")
+
+
+def test_mosaic_gpu_kernels_have_no_races():
+    """Each Mosaic GPU kernel alone in interpret mode: the race detector keeps only the
+    last kernel's state, so the check after the jitted vjps above sees one of five."""
+    T, D, K, E, dtype = SHAPES["bf16_d128"]
+    x, rows, weights, ct_rows, dy = _data(T, D, K, dtype)
+    order, nv = _orders(T, K, E)["unrouted_tokens"]
+    order, nv = jnp.asarray(order), jnp.int32(nv)
+    kernels = {
+        "permute": lambda: mosaic_gpu.permute(x, order, nv, top_k=K, interpret=True),
+        "permute_bwd": lambda: mosaic_gpu.permute_bwd(ct_rows, order, nv, top_k=K,
+                                                      x_dtype=dtype, interpret=True),
+        "combine": lambda: mosaic_gpu.combine(rows, order, weights, nv, interpret=True),
+        "combine_bwd drows": lambda: mosaic_gpu._gather(
+            dy, order, weights, nv, top_k=K, out_dtype=dtype, interpret=True,
+            tiles=mosaic_gpu.GatherTiles.for_shape(D, mosaic_gpu.ROW_ALIGN)),
+        "combine_bwd dweights": lambda: mosaic_gpu.combine_bwd(dy, rows, order, weights, nv,
+                                                               interpret=True),
+    }
+    for name, kernel in kernels.items():
+        jax.block_until_ready(kernel())
+        assert not mg.races_found(), name
 
 
 def numpy_permute_combine(x, order, nv, rows, weights):
@@ -145,7 +165,7 @@ def test_reference_matches_numpy_and_is_its_own_adjoint():
 def test_replaces_the_dropless_path_of_aristax_moe(backend):
     """route -> permute -> combine equals aristax.routing -> dropless_dispatch ->
     dispatch.permute -> dispatch.combine, with a NaN token routed nowhere."""
-    T, D, K, E, dtype = 11, 64, 3, 8, jnp.float32  # D: a shape every backend serves
+    T, D, K, E, dtype = 11, 128, 3, 8, jnp.float32  # D: a shape every backend serves
     x, rows, _, ct_rows, dy = _data(T, D, K, dtype, seed=9)
     w_router = jnp.asarray(np.random.default_rng(3).standard_normal((D, E), np.float32))
     x = x.at[4].set(jnp.nan)
@@ -222,20 +242,24 @@ def test_triton_lowers_for_cuda(T, D, K, dtype):
 
 @pytest.mark.parametrize(
     "T, D, K, dtype",
-    [(9, 64, 2, jnp.float32), (64, 256, 8, jnp.bfloat16), (1, 128, 1, jnp.float16),
+    [(9, 128, 2, jnp.float32), (64, 256, 8, jnp.bfloat16), (1, 384, 1, jnp.float16),
      (300, 1024, 2, jnp.bfloat16)],
 )
-def test_mosaic_gpu_permute_lowers_for_cuda(T, D, K, dtype):
-    """permute and its backward lower to Mosaic GPU kernels (no GPU needed)."""
-    def loss(x, order, nv):
-        rows = permute(x, order, top_k=K, num_valid=nv, implementation="mosaic_gpu",
-                       interpret=False)
-        return jnp.sum(rows.astype(jnp.float32) ** 2)
+def test_mosaic_gpu_lowers_for_cuda(T, D, K, dtype):
+    """permute, combine and their backwards lower to five Mosaic GPU kernels (permute,
+    combine, dx, drows, dweights), no other backend, no GPU needed."""
+    def loss(x, rows, weights, order, nv):
+        kw = dict(num_valid=nv, implementation="mosaic_gpu", interpret=False)
+        perm = permute(x, order, top_k=K, **kw)
+        return jnp.sum(combine(rows * perm, order, weights, **kw) ** 2)
 
-    exported = jax.export.export(jax.jit(jax.grad(loss)), platforms=["cuda"])(
-        jax.ShapeDtypeStruct((T, D), dtype), jax.ShapeDtypeStruct((T * K,), jnp.int32),
+    M = T * K
+    exported = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))),
+                                 platforms=["cuda"])(
+        jax.ShapeDtypeStruct((T, D), dtype), jax.ShapeDtypeStruct((M, D), dtype),
+        jax.ShapeDtypeStruct((T, K), dtype), jax.ShapeDtypeStruct((M,), jnp.int32),
         jax.ShapeDtypeStruct((), jnp.int32))
-    assert exported.mlir_module().count("mosaic_gpu") >= 2  # forward and backward
+    assert exported.mlir_module().count("custom_call @mosaic_gpu") == 5
 
 
 def test_mosaic_gpu_refuses_what_it_cannot_serve():
@@ -245,6 +269,20 @@ def test_mosaic_gpu_refuses_what_it_cannot_serve():
     rows = permute(x, order, top_k=2, implementation=["mosaic_gpu", "reference"],
                    interpret=True)  # falls back
     assert rows.shape == (8, 20)
-    with pytest.raises(NotImplementedError, match="combine is not implemented"):
-        combine(jnp.zeros((8, 64)), order, jnp.ones((4, 2)), implementation="mosaic_gpu",
+    rows = jnp.ones((8, 64), jnp.float32)  # permute serves D=64, combine does not
+    with pytest.raises(NotImplementedError, match="combine: D=64 must be a multiple of 128"):
+        combine(rows, order, jnp.ones((4, 2)), implementation="mosaic_gpu", interpret=True)
+    y = combine(rows, order, jnp.ones((4, 2)), implementation=["mosaic_gpu", "reference"],
                 interpret=True)
+    np.testing.assert_array_equal(np.asarray(y), 2.0)
+
+
+def test_mosaic_gpu_permute_lowers_at_d64():
+    """permute and its backward serve D % 64 == 0 (combine needs 128)."""
+    def loss(x, order):
+        rows = permute(x, order, top_k=2, implementation="mosaic_gpu", interpret=False)
+        return jnp.sum(rows.astype(jnp.float32) ** 2)
+
+    exported = jax.export.export(jax.jit(jax.grad(loss)), platforms=["cuda"])(
+        jax.ShapeDtypeStruct((9, 64), jnp.float32), jax.ShapeDtypeStruct((18,), jnp.int32))
+    assert exported.mlir_module().count("custom_call @mosaic_gpu") == 2
