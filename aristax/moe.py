@@ -6,6 +6,8 @@ C capacity, S sequence length.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -15,6 +17,7 @@ from aristax import routing as routing_lib
 from aristax.config import MoEConfig, accumulation_dtype
 from aristax.experts import dense_mlp, expert_mlp
 from aristax.pallas_kernels.moe_mlp import fused_backend, moe_mlp
+from aristax.pallas_kernels.permute import api as permute_api
 
 
 @flax.struct.dataclass
@@ -119,22 +122,38 @@ def routed_experts(
 ) -> jax.Array:
     """The routed experts' weighted sum y[T, D] (float32; float64 for float64 xc).
 
-    permute -> ``expert_mlp`` -> combine; when ``dispatch`` is ``dropless`` and
-    ``config.implementation`` picks a kernel backend of ``pallas_kernels.moe_mlp``
-    (``fused_experts``), the fused op does all three instead. xc: [T, D] in the
-    compute dtype; weights: [T, K] combine weights.
+    permute -> ``expert_mlp`` -> combine. When ``dispatch`` is ``dropless`` and
+    ``config.implementation`` names kernels: the fused ``moe_mlp`` does all three if
+    one of them serves it (``fused_experts``); else permute and combine run on the
+    ``pallas_kernels`` backends it names that serve them (the reference where none
+    does). xc: [T, D] in the compute dtype; weights: [T, K] combine weights.
     """
-    if dropless:
-        y = fused_experts(xc, dropless_sort_order(dispatch), weights, dispatch.group_sizes,
-                          dispatch.num_routed, params, config)
-        if y is not None:
-            return y
-    rows = dispatch_lib.permute(xc, dispatch)
-    out_rows = expert_mlp(
-        rows, dispatch.group_sizes, params.gate_edf, params.up_edf, params.down_efd,
-        activation=config.activation, implementation=config.implementation,
-    )
-    return dispatch_lib.combine(out_rows, dispatch, weights)
+    def experts(rows):
+        return expert_mlp(rows, dispatch.group_sizes, params.gate_edf, params.up_edf,
+                          params.down_efd, activation=config.activation,
+                          implementation=config.implementation)
+
+    if not dropless or config.implementation is None:
+        return dispatch_lib.combine(experts(dispatch_lib.permute(xc, dispatch)), dispatch,
+                                    weights)
+    order = dropless_sort_order(dispatch)
+    y = fused_experts(xc, order, weights, dispatch.group_sizes, dispatch.num_routed,
+                      params, config)
+    if y is not None:
+        return y
+    names = kernel_names(config.implementation, permute_api.PERMUTE)
+    kw = dict(num_valid=dispatch.num_routed, implementation=names)
+    rows = permute_api.permute(xc, order, top_k=weights.shape[1], **kw)
+    return permute_api.combine(experts(rows), order, weights, **kw)
+
+
+def kernel_names(implementation: str | Sequence[str], registry) -> list[str]:
+    """The names of ``implementation`` that an op's ``registry`` has, in order, ending
+    in "reference": a layer runs each op on the named kernels where they serve, the
+    reference elsewhere."""
+    names = [implementation] if isinstance(implementation, str) else list(implementation)
+    names = [n for n in names if n in registry]
+    return names if "reference" in names else names + ["reference"]
 
 
 def fused_experts(

@@ -3,6 +3,7 @@
 XLA_FLAGS must be set before jax initialises its backends, so this runs at import.
 """
 
+import collections
 import os
 
 # pytest-xdist workers share a GPU where there is one: no worker may preallocate it
@@ -28,18 +29,30 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
-def fused_moe_mlp_calls(monkeypatch):
-    """Shapes of x in each call of the Triton ``moe_mlp`` kernel backend (recorded at
-    trace time): a test of a layer on ``implementation="triton"`` asserts the fused op
-    really served it rather than the unfused fallback."""
-    from aristax.pallas_kernels.moe_mlp import triton
+def kernel_calls(monkeypatch):
+    """{backend: [op, ...]}: each call of a kernel backend that served (recorded at trace
+    time; a backend that refuses raises before it is recorded). A layer test on
+    ``implementation=...`` asserts the kernels it meant really ran, not a fallback."""
+    from aristax.pallas_kernels.moe_mlp import triton as moe_mlp_triton
+    from aristax.pallas_kernels.permute import api as permute_api
+    from aristax.pallas_kernels.ragged_dot import api as ragged_dot_api
 
-    calls = []
-    kernel = triton.moe_mlp
+    calls = collections.defaultdict(list)
 
-    def recording(x, *args, **kwargs):
-        calls.append(tuple(x.shape))
-        return kernel(x, *args, **kwargs)
+    def recording(backend, op, fn):
+        def call(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            calls[backend].append(op)
+            return out
 
-    monkeypatch.setattr(triton, "moe_mlp", recording)
+        return call
+
+    for registry, op in ((permute_api.PERMUTE, "permute"), (permute_api.COMBINE, "combine")):
+        for name, fn in list(registry.items()):
+            monkeypatch.setitem(registry, name, recording(name, op, fn))
+    for name, module in ragged_dot_api.BACKENDS.items():
+        if hasattr(module, "gmm"):
+            monkeypatch.setattr(module, "gmm", recording(name, "ragged_dot", module.gmm))
+    monkeypatch.setattr(moe_mlp_triton, "moe_mlp",
+                        recording("triton", "moe_mlp", moe_mlp_triton.moe_mlp))
     return calls

@@ -113,12 +113,15 @@ def test_num_chunks_in_the_module_equals_unchunked_with_drops():
 
 @pytest.mark.parametrize("implementation,dtype", [("triton", "float32"),
                                                   ("mosaic_gpu", "bfloat16")])
-def test_moe_module_runs_on_each_kernel_implementation(implementation, dtype):
+def test_moe_module_runs_on_each_kernel_implementation(implementation, dtype,
+                                                     kernel_calls):
     """The NNX layer with ``MoEConfig(implementation=...)`` (Pallas kernels, interpret mode
-    on CPU) gives the reference layer's output, aux loss and parameter gradients."""
-    shape = dict(num_experts=4, top_k=2, d_model=64, d_ff=64, normalize_weights=True,
+    on CPU) gives the reference layer's output, aux loss and parameter gradients.
+    Triton serves it with the fused ``moe_mlp``; Mosaic GPU has none, so its permute,
+    ragged_dot and combine kernels run."""
+    shape = dict(num_experts=4, top_k=2, d_model=128, d_ff=64, normalize_weights=True,
                  num_shared_experts=1, dtype=dtype)
-    x = jax.random.normal(jax.random.key(3), (2, 8, 64))
+    x = jax.random.normal(jax.random.key(3), (2, 8, 128))
 
     def loss(module):
         y, aux = module(x)
@@ -137,3 +140,6 @@ def test_moe_module_runs_on_each_kernel_implementation(implementation, dtype):
         scale = float(np.max(np.abs(np.asarray(b, np.float32)))) or 1.0
         np.testing.assert_allclose(np.asarray(a, np.float32) / scale,
                                    np.asarray(b, np.float32) / scale, **tol)
+    want = {"triton": {"moe_mlp"},
+            "mosaic_gpu": {"permute", "ragged_dot", "combine"}}[implementation]
+    assert want <= set(kernel_calls[implementation]), dict(kernel_calls)

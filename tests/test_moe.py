@@ -199,3 +199,16 @@ def test_hypothesis_sizes(T, E, k_frac, D, F, cap, seed):
                     normalize_weights=True)
     x = jax.random.normal(jax.random.key(seed), (T, D))
     check_against_reference(cfg, x, make(cfg, seed))
+
+
+@pytest.mark.parametrize("implementation, names", [
+    ("mosaic_gpu", ["mosaic_gpu", "reference"]),
+    (["triton", "mosaic_gpu"], ["triton", "mosaic_gpu", "reference"]),
+    (["reference", "triton"], ["reference", "triton"]),  # the user's order is kept
+    ("not_a_permute_backend", ["reference"]),
+])
+def test_kernel_names_keep_order_and_end_in_reference(implementation, names):
+    from aristax.moe import kernel_names
+    from aristax.pallas_kernels.permute import api as permute_api
+
+    assert kernel_names(implementation, permute_api.PERMUTE) == names
