@@ -33,7 +33,7 @@ def kernel_calls(monkeypatch):
     """{backend: [op, ...]}: each call of a kernel backend that served (recorded at trace
     time; a backend that refuses raises before it is recorded). A layer test on
     ``implementation=...`` asserts the kernels it meant really ran, not a fallback."""
-    from aristax.pallas_kernels.moe_mlp import triton as moe_mlp_triton
+    from aristax.pallas_kernels.moe_mlp import api as moe_mlp_api
     from aristax.pallas_kernels.permute import api as permute_api
     from aristax.pallas_kernels.ragged_dot import api as ragged_dot_api
 
@@ -52,6 +52,7 @@ def kernel_calls(monkeypatch):
             monkeypatch.setitem(registry, name, recording(name, op, fn))
     for name, module in ragged_dot_api.BACKENDS.items():
         monkeypatch.setattr(module, "gmm", recording(name, "ragged_dot", module.gmm))
-    monkeypatch.setattr(moe_mlp_triton, "moe_mlp",
-                        recording("triton", "moe_mlp", moe_mlp_triton.moe_mlp))
+    for name, module in moe_mlp_api.BACKENDS.items():
+        if name != "reference":  # the reference is not a fused kernel
+            monkeypatch.setattr(module, "moe_mlp", recording(name, "moe_mlp", module.moe_mlp))
     return calls

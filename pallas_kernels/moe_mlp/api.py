@@ -38,13 +38,13 @@ import jax
 import jax.numpy as jnp
 
 from aristax.pallas_kernels import frontdoor
-from aristax.pallas_kernels.moe_mlp import reference, triton
+from aristax.pallas_kernels.moe_mlp import mosaic_gpu, reference, triton
 from aristax.pallas_kernels.permute import api as permute_api
 from aristax.pallas_kernels.ragged_dot import api as ragged_dot_api
 from aristax.pallas_kernels.tiling import vary_alike
 
 OP = "moe_mlp"
-BACKENDS = {"reference": reference, "triton": triton}
+BACKENDS = {"reference": reference, "triton": triton, "mosaic_gpu": mosaic_gpu}
 DEFAULT_ORDER: dict[str, tuple[str, ...]] = {
     "gpu": ("triton", "reference"),
     "cuda": ("triton", "reference"),
@@ -231,8 +231,9 @@ def moe_mlp(
         the cast).
       activation: "swiglu" | "geglu" | "gelu" (exact erf GELU).
       num_valid: routed rows (default ``sum(group_sizes)``).
-      implementation: backend name or ordered list ("triton", "reference"); None =
-        the platform default ("triton" then "reference" on GPU, "reference" on CPU).
+      implementation: backend name or ordered list ("triton", "mosaic_gpu",
+        "reference"); None = the platform default ("triton" then "reference" on GPU,
+        "reference" on CPU; Mosaic GPU's kernel is not pipelined nor timed yet).
       interpret: Pallas interpret mode; None = iff the default backend is the CPU
         (pass False to lower the real kernels, e.g. under ``jax.export``).
       tiles: ``triton.MoeMlpTiles``, a mapping {backend: tiles}, or None (heuristic).

@@ -54,6 +54,7 @@ CASES = {  # id: (op, implementation, kernels the exported gradient must contain
     "permute_combine-mosaic_gpu": (_permute_combine, "mosaic_gpu", ("mosaic_gpu",)),
     "route-triton": (_route, "triton", ("route_topk",)),
     "moe_mlp-triton": (_moe_mlp, "triton", ("moe_mlp_gate_up", "ragged_dot_tgmm")),
+    "moe_mlp-mosaic_gpu": (_moe_mlp, "mosaic_gpu", ("mosaic_gpu",)),
 }
 
 

@@ -1,0 +1,171 @@
+"""Pallas Mosaic GPU (Hopper) expert MLP: the gate/up grouped GEMM with the row gather
+in its prologue and the activation in its epilogue; down and combine by the Mosaic
+GPU kernels of ``ragged_dot`` and ``permute``.
+
+Letters: T tokens, D model dim, F expert hidden dim, E experts, K slots per token,
+M = T*K rows in expert order, nv = the valid rows, BM/BN/BK tile sizes.
+
+Kernel ``_gate_up_body`` walks ``ragged_dot.mosaic_gpu.row_tile_schedule`` (a row
+tile that straddles two experts is visited once per expert and stores only that
+expert's rows) over F tiles. Per BK-wide chunk of D it gathers the tile's BM rows
+x[sort_order[m] // K] by one-row TMA copies into a staging tile (rows past nv copy
+a zero row), copies the staging tile through registers into the wgmma operand tile
+(per-row TMA straight into the operand tile does not pass layout inference), and
+runs one wgmma per weight (gate, up) into float32 accumulators; the epilogue applies
+the activation (``moe_mlp.triton.activate``: exp and a Chebyshev erfc, no erf
+lowering needed) and stores h [M, F] in x's dtype.
+Then out_rows = ``ragged_dot.mosaic_gpu.gmm``(h, down) in float32 and
+y = ``permute.mosaic_gpu.combine``(out_rows). The backward (``api._kernel_bwd``)
+runs on the Mosaic GPU ``ragged_dot`` and ``permute`` kernels.
+
+Not yet pipelined: each K step waits for its copies before its wgmma. Never run on
+a GPU: correct in interpret mode (race detector on) and lowers for CUDA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from aristax.pallas_kernels.moe_mlp.triton import activate
+from aristax.pallas_kernels.permute import mosaic_gpu as permute_mg
+from aristax.pallas_kernels.ragged_dot import mosaic_gpu as mg
+
+MAX_TOP_K = permute_mg.MAX_TOP_K
+
+
+@dataclasses.dataclass(frozen=True)
+class GateUpTiles:
+    """Tiles of the gate/up kernel: block_m gathered rows (one barrier arrival each),
+    block_n hidden columns, block_k of D per step (64: one 128-byte bf16 row)."""
+
+    block_m: int = 64
+    block_n: int = 128
+    block_k: int = 64
+
+    @classmethod
+    def for_shape(cls, d_ff: int) -> GateUpTiles:
+        return cls(block_n=128 if d_ff % 128 == 0 else 64)
+
+
+def check(x: jax.Array, weights: jax.Array, up_edf: jax.Array, *,
+          interpret: bool = False) -> None:
+    """NotImplementedError with the reason when this backend cannot serve.
+
+    x bfloat16 or float16 (wgmma would run float32 as TF32); K <= ``MAX_TOP_K``;
+    T*K a multiple of 8 and F of 64 (the Mosaic grouped GEMMs); D a multiple of
+    128 (Mosaic combine); compiled only on Hopper or when cross-lowering.
+    """
+    (T, D), K, F = x.shape, weights.shape[1], up_edf.shape[2]
+    reasons = (
+        None if K <= MAX_TOP_K else f"top_k={K} > {MAX_TOP_K}",
+        None if jnp.dtype(x.dtype) in mg.INPUT_DTYPES else
+        f"x dtype {x.dtype} (bfloat16/float16: float32 would run as TF32 on wgmma)",
+        None if (T * K) % mg.ROW_ALIGN == 0 else
+        f"T*K={T * K} must be a multiple of {mg.ROW_ALIGN}",
+        None if F % mg.ALIGN == 0 else f"F={F} must be a multiple of {mg.ALIGN}",
+        None if D % permute_mg.ROW_ALIGN == 0 else
+        f"D={D} must be a multiple of {permute_mg.ROW_ALIGN}",
+        mg._platform_reason(interpret),
+    )
+    for reason in reasons:
+        if reason:
+            raise NotImplementedError(f"mosaic_gpu: {reason}")
+
+
+def backward_tiles(tiles) -> None:
+    """The backward's grouped GEMMs use ``ragged_dot.mosaic_gpu``'s heuristic."""
+    del tiles
+
+
+def _gate_up_body(sched_gmem, order_gmem, nv_gmem, x_gmem, zero_gmem, *refs,
+                  top_k: int, activation: str, tiles: GateUpTiles):
+    """h[m] = act(x[sort_order[m] // K] @ gate[e], ... @ up[e]) for the rows of each
+    scheduled (expert, row tile), F tile; refs = ([gate,] up, h)."""
+    *mats, h_gmem = refs
+    (m, f), (T, D) = h_gmem.shape, x_gmem.shape
+    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    num_experts, nv = mats[0].shape[0], nv_gmem[0]
+
+    def scope(stage, a_smem, rows_barrier, w_barrier, *w_smem):
+        @plgpu.nd_loop((sched_gmem.shape[1], f // bn), collective_axes="sm")
+        def _(info):
+            t, ni = info.index
+            expert, block, lo, hi = (sched_gmem[i, t] for i in range(4))
+            row0, col0 = block * bm, ni * bn
+
+            def source_row(r):
+                p = jnp.minimum(row0 + r, m - 1)
+                return jnp.minimum(order_gmem[p] // top_k, T - 1), row0 + r < nv
+
+            def accumulate(*accs):
+                @pl.loop(0, D // bk)
+                def _(kk):
+                    for mat, dst in zip(mats, w_smem):
+                        plgpu.copy_gmem_to_smem(
+                            mat.at[expert, pl.ds(kk * bk, bk), pl.ds(col0, bn)], dst,
+                            w_barrier)
+                    permute_mg._gather_rows(x_gmem, zero_gmem, stage, rows_barrier,
+                                            source_row, kk * bk, bk)
+                    plgpu.barrier_wait(w_barrier)
+                    a_smem[...] = stage[...]
+                    plgpu.commit_smem()
+                    for acc, w in zip(accs, w_smem):
+                        plgpu.wgmma(acc, a_smem, w)
+                    plgpu.wgmma_wait(0)
+
+                pre = [acc[...] for acc in accs]
+                return activate(pre[0] if len(pre) == 2 else None, pre[-1], activation)
+
+            @pl.when((hi > lo) & (expert < num_experts))
+            def _():
+                h = pl.run_scoped(accumulate,
+                                  *[plgpu.ACC((bm, bn), jnp.float32) for _ in mats])
+                mg._store_rows(h.astype(h_gmem.dtype), h_gmem, row0, lo, hi, col0,
+                               min(bm, m))
+
+            @pl.when((hi > lo) & (expert == num_experts))  # rows past the routed ones
+            def _():
+                mg._store_rows(jnp.zeros((bm, bn), h_gmem.dtype), h_gmem, row0, lo, hi,
+                               col0, min(bm, m))
+
+    dtype = x_gmem.dtype
+    pl.run_scoped(scope, plgpu.SMEM((bm, bk), dtype), plgpu.SMEM((bm, bk), dtype),
+                  plgpu.Barrier(num_arrivals=bm), plgpu.Barrier(num_arrivals=len(mats)),
+                  *[plgpu.SMEM((bk, bn), dtype) for _ in mats])
+
+
+def gate_up(x, sort_order, num_valid, group_sizes, gate_edf, up_edf, *, activation: str,
+            top_k: int, tiles: GateUpTiles | None = None, interpret=False) -> jax.Array:
+    """h [M, F] in x's dtype: the activation of the gathered rows' gate/up GEMMs
+    (rows past num_valid give act(0) = 0)."""
+    m, (d, f) = sort_order.shape[0], up_edf.shape[1:]
+    tiles = tiles or GateUpTiles.for_shape(f)
+    mats = [w for w in (gate_edf, up_edf) if w is not None]
+    body = functools.partial(_gate_up_body, top_k=top_k, activation=activation,
+                             tiles=tiles)
+    return permute_mg._launch(
+        body, jax.ShapeDtypeStruct((m, f), x.dtype), interpret,
+        mg.row_tile_schedule(group_sizes, m, tiles.block_m), sort_order,
+        jnp.asarray(num_valid, jnp.int32).reshape(1), x, permute_mg._zero_row(d, x.dtype),
+        *mats)
+
+
+def moe_mlp(x, sort_order, weights, group_sizes, num_valid, gate_edf, up_edf, down_efd, *,
+            activation: str, tiles: GateUpTiles | None = None,
+            interpret: bool = False) -> jax.Array:
+    """The forward (``reference.moe_mlp``'s contract): y [T, D] float32.
+
+    Args: as ``triton.moe_mlp``; tiles: ``GateUpTiles`` or None.
+    """
+    check(x, weights, up_edf, interpret=interpret)
+    h = gate_up(x, sort_order, num_valid, group_sizes, gate_edf, up_edf,
+                activation=activation, top_k=weights.shape[1], tiles=tiles,
+                interpret=interpret)
+    out_rows = mg.gmm(h, down_efd, group_sizes, out_dtype=jnp.float32, interpret=interpret)
+    return permute_mg.combine(out_rows, sort_order, weights, num_valid, interpret=interpret)
