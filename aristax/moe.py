@@ -6,8 +6,6 @@ C capacity, S sequence length.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -16,6 +14,7 @@ from aristax import dispatch as dispatch_lib
 from aristax import routing as routing_lib
 from aristax.config import MoEConfig, accumulation_dtype
 from aristax.experts import dense_mlp, expert_mlp
+from aristax.pallas_kernels import frontdoor
 from aristax.pallas_kernels.moe_mlp import fused_backend, moe_mlp
 from aristax.pallas_kernels.permute import api as permute_api
 
@@ -141,19 +140,10 @@ def routed_experts(
                       params, config)
     if y is not None:
         return y
-    names = kernel_names(config.implementation, permute_api.PERMUTE)
+    names = frontdoor.with_reference(config.implementation, permute_api.PERMUTE)
     kw = dict(num_valid=dispatch.num_routed, implementation=names)
     rows = permute_api.permute(xc, order, top_k=weights.shape[1], **kw)
     return permute_api.combine(experts(rows), order, weights, **kw)
-
-
-def kernel_names(implementation: str | Sequence[str], registry) -> list[str]:
-    """The names of ``implementation`` that an op's ``registry`` has, in order, ending
-    in "reference": a layer runs each op on the named kernels where they serve, the
-    reference elsewhere."""
-    names = [implementation] if isinstance(implementation, str) else list(implementation)
-    names = [n for n in names if n in registry]
-    return names if "reference" in names else names + ["reference"]
 
 
 def fused_experts(

@@ -44,6 +44,16 @@ def candidates(
     return names
 
 
+def with_reference(implementation: str | Sequence[str],
+                   registry: Mapping[str, Any]) -> list[str]:
+    """The names of ``implementation`` that an op's ``registry`` has, in order, ending
+    in "reference": the lenient rule of a layer, which runs each op on the named
+    kernels where they serve and on the reference elsewhere."""
+    names = [implementation] if isinstance(implementation, str) else list(implementation)
+    names = [n for n in names if n in registry]
+    return names if "reference" in names else names + ["reference"]
+
+
 def resolve_interpret(interpret: bool | None) -> bool:
     """``interpret=None`` -> interpret mode iff JAX's default backend is the CPU."""
     return jax.default_backend() == "cpu" if interpret is None else bool(interpret)
