@@ -233,7 +233,7 @@ def moe_mlp(
       num_valid: routed rows (default ``sum(group_sizes)``).
       implementation: backend name or ordered list ("triton", "mosaic_gpu",
         "reference"); None = the platform default ("triton" then "reference" on GPU,
-        "reference" on CPU; Mosaic GPU's kernel is not pipelined nor timed yet).
+        "reference" on CPU; Mosaic GPU's kernel is not timed on a GPU yet).
       interpret: Pallas interpret mode; None = iff the default backend is the CPU
         (pass False to lower the real kernels, e.g. under ``jax.export``).
       tiles: ``triton.MoeMlpTiles``, a mapping {backend: tiles}, or None (heuristic).

@@ -18,8 +18,12 @@ Then out_rows = ``ragged_dot.mosaic_gpu.gmm``(h, down) in float32 and
 y = ``permute.mosaic_gpu.combine``(out_rows). The backward (``api._kernel_bwd``)
 runs on the Mosaic GPU ``ragged_dot`` and ``permute`` kernels.
 
-Not yet pipelined: each K step waits for its copies before its wgmma. Never run on
-a GPU: correct in interpret mode (race detector on) and lowers for CUDA.
+The K loop is double-buffered (two slots of staging and weight tiles, one barrier
+pair per slot): step kk+1's gathers and weight copies are in flight while step kk
+waits, copies and multiplies. The operand tile is single: each step waits for the
+previous wgmma before overwriting it. Never run on a GPU: correct in interpret mode
+(race detector on; it does not model the asynchrony of wgmma, so the wgmma waits
+are by construction) and lowers for CUDA.
 """
 
 from __future__ import annotations
@@ -86,11 +90,16 @@ def backward_tiles(tiles) -> None:
 def _gate_up_body(sched_gmem, order_gmem, nv_gmem, x_gmem, zero_gmem, *refs,
                   top_k: int, activation: str, tiles: GateUpTiles):
     """h[m] = act(x[sort_order[m] // K] @ gate[e], ... @ up[e]) for the rows of each
-    scheduled (expert, row tile), F tile; refs = ([gate,] up, h)."""
+    scheduled (expert, row tile), F tile; refs = ([gate,] up, h).
+
+    The K loop is double-buffered: step kk's row gathers and weight copies land in
+    slot kk % 2 while step kk-1's wgmma runs; a slot is refilled only after the wgmma
+    that read it has been waited for.
+    """
     *mats, h_gmem = refs
     (m, f), (T, D) = h_gmem.shape, x_gmem.shape
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
-    num_experts, nv = mats[0].shape[0], nv_gmem[0]
+    num_experts, nv, steps = mats[0].shape[0], nv_gmem[0], D // bk
 
     def scope(stage, a_smem, rows_barrier, w_barrier, *w_smem):
         @plgpu.nd_loop((sched_gmem.shape[1], f // bn), collective_axes="sm")
@@ -103,22 +112,34 @@ def _gate_up_body(sched_gmem, order_gmem, nv_gmem, x_gmem, zero_gmem, *refs,
                 p = jnp.minimum(row0 + r, m - 1)
                 return jnp.minimum(order_gmem[p] // top_k, T - 1), row0 + r < nv
 
+            def start_loads(kk, slot):
+                for mat, dst in zip(mats, w_smem):
+                    plgpu.copy_gmem_to_smem(
+                        mat.at[expert, pl.ds(kk * bk, bk), pl.ds(col0, bn)], dst.at[slot],
+                        w_barrier.at[slot])
+                permute_mg.start_row_gathers(x_gmem, zero_gmem, stage.at[slot],
+                                             rows_barrier.at[slot], source_row, kk * bk, bk)
+
             def accumulate(*accs):
-                @pl.loop(0, D // bk)
+                start_loads(0, 0)
+
+                @pl.loop(0, steps)
                 def _(kk):
-                    for mat, dst in zip(mats, w_smem):
-                        plgpu.copy_gmem_to_smem(
-                            mat.at[expert, pl.ds(kk * bk, bk), pl.ds(col0, bn)], dst,
-                            w_barrier)
-                    permute_mg._gather_rows(x_gmem, zero_gmem, stage, rows_barrier,
-                                            source_row, kk * bk, bk)
-                    plgpu.barrier_wait(w_barrier)
-                    a_smem[...] = stage[...]
+                    slot = kk % 2
+                    plgpu.wgmma_wait(0)  # step kk-1 no longer reads slot 1 - slot
+
+                    @pl.when(kk + 1 < steps)
+                    def _():
+                        start_loads(kk + 1, 1 - slot)
+
+                    plgpu.barrier_wait(rows_barrier.at[slot])
+                    plgpu.barrier_wait(w_barrier.at[slot])
+                    a_smem[...] = stage[slot]
                     plgpu.commit_smem()
                     for acc, w in zip(accs, w_smem):
-                        plgpu.wgmma(acc, a_smem, w)
-                    plgpu.wgmma_wait(0)
+                        plgpu.wgmma(acc, a_smem, w.at[slot])
 
+                plgpu.wgmma_wait(0)
                 pre = [acc[...] for acc in accs]
                 return activate(pre[0] if len(pre) == 2 else None, pre[-1], activation)
 
@@ -135,9 +156,10 @@ def _gate_up_body(sched_gmem, order_gmem, nv_gmem, x_gmem, zero_gmem, *refs,
                                col0, min(bm, m))
 
     dtype = x_gmem.dtype
-    pl.run_scoped(scope, plgpu.SMEM((bm, bk), dtype), plgpu.SMEM((bm, bk), dtype),
-                  plgpu.Barrier(num_arrivals=bm), plgpu.Barrier(num_arrivals=len(mats)),
-                  *[plgpu.SMEM((bk, bn), dtype) for _ in mats])
+    pl.run_scoped(scope, plgpu.SMEM((2, bm, bk), dtype), plgpu.SMEM((bm, bk), dtype),
+                  plgpu.Barrier(num_arrivals=bm, num_barriers=2),
+                  plgpu.Barrier(num_arrivals=len(mats), num_barriers=2),
+                  *[plgpu.SMEM((2, bk, bn), dtype) for _ in mats])
 
 
 def gate_up(x, sort_order, num_valid, group_sizes, gate_edf, up_edf, *, activation: str,

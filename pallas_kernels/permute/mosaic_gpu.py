@@ -87,6 +87,14 @@ def _check(op: str, arr: jax.Array, top_k: int, interpret, align: int = ALIGN) -
 
 def _gather_rows(src_gmem, zero_gmem, buf, barrier, source_row, col0, block_d) -> None:
     """buf[r] = src[row] or 0 for r < len(buf), ``source_row(r) -> (row, keep)``."""
+    start_row_gathers(src_gmem, zero_gmem, buf, barrier, source_row, col0, block_d)
+    plgpu.barrier_wait(barrier)
+
+
+def start_row_gathers(src_gmem, zero_gmem, buf, barrier, source_row, col0,
+                      block_d) -> None:
+    """Issue ``_gather_rows``' one-row TMA copies; ``barrier`` (len(buf) arrivals)
+    completes when they have landed."""
 
     @pl.loop(0, buf.shape[0])
     def _(r):
@@ -101,8 +109,6 @@ def _gather_rows(src_gmem, zero_gmem, buf, barrier, source_row, col0, block_d) -
         @pl.when(jnp.logical_not(keep))
         def _():
             plgpu.copy_gmem_to_smem(zero_gmem.at[:, pl.ds(col0, block_d)], dst, barrier)
-
-    plgpu.barrier_wait(barrier)
 
 
 def _scale_rows(buf, dst, scale_of_row, *, accumulate: bool = False) -> None:

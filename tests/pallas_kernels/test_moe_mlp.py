@@ -66,9 +66,10 @@ def test_mosaic_gpu_gate_up_alone_matches_and_has_no_races():
     """The Mosaic GPU gate/up kernel by itself, so that the race detector (which keeps
     only the last kernel's state) sees it: h equals the activation of the reference
     grouped GEMMs of the gathered rows; rows past num_valid (below the routed sum
-    here) are 0."""
-    T, D, F, E, K = MOSAIC_SHAPE
-    x, _, gate, up, _, _ = operands(MOSAIC_SHAPE, jnp.bfloat16, 7)
+    here) are 0. D = 192: three 64-wide K steps, so a buffer slot is refilled."""
+    shape = (20, 192, 64, 5, 2)
+    T, D, F, E, K = shape
+    x, _, gate, up, _, _ = operands(shape, jnp.bfloat16, 7)
     gate, up = gate.astype(jnp.bfloat16), up.astype(jnp.bfloat16)
     order, sizes, nv = routings(T, E, K)["num_valid_below_sum"]
     h = mosaic_gpu.gate_up(x, order, nv, sizes, gate, up, activation="swiglu", top_k=K,
