@@ -236,7 +236,8 @@ def moe_mlp(
         "reference" on CPU; Mosaic GPU's kernel is not timed on a GPU yet).
       interpret: Pallas interpret mode; None = iff the default backend is the CPU
         (pass False to lower the real kernels, e.g. under ``jax.export``).
-      tiles: ``triton.MoeMlpTiles``, a mapping {backend: tiles}, or None (heuristic).
+      tiles: the backend's tiles (``MoeMlpTiles`` for "triton", ``MosaicMoeMlpTiles``
+        for "mosaic_gpu"), a mapping {backend: tiles}, or None (heuristics).
     Returns:
       y [T, D] in the accumulation dtype (float32; float64 for float64 inputs).
       Differentiable in x, weights, gate_edf, up_edf and down_efd.

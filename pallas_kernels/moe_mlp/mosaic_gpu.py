@@ -54,15 +54,57 @@ MAX_TOP_K = permute_mg.MAX_TOP_K
 @dataclasses.dataclass(frozen=True)
 class GateUpTiles:
     """Tiles of the gate/up kernel: block_m gathered rows (one barrier arrival each),
-    block_n hidden columns, block_k of D per step (64: one 128-byte bf16 row)."""
+    block_n hidden (F) columns, block_k of D per step. All multiples of 64 (one wgmma
+    warpgroup's rows); block_k is 64 (one 128-byte row of 16-bit values, the widest
+    TMA swizzle)."""
 
     block_m: int = 64
     block_n: int = 128
     block_k: int = 64
 
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or v < 1 or v % mg.ALIGN:
+                raise ValueError(f"GateUpTiles.{f.name} must be a positive multiple of "
+                                 f"{mg.ALIGN}; got {v!r}")
+        if self.block_k != mg.ALIGN:
+            raise ValueError(f"GateUpTiles.block_k must be {mg.ALIGN}; got {self.block_k}")
+
     @classmethod
     def for_shape(cls, d_ff: int) -> GateUpTiles:
-        return cls(block_n=128 if d_ff % 128 == 0 else 64)
+        """Column tiles of 128 where 128 divides F, else 64. Untuned."""
+        return cls(block_n=128 if d_ff % 128 == 0 else mg.ALIGN)
+
+    def fit(self, d_ff: int) -> GateUpTiles:
+        """These tiles with block_n dropped to 64 when it does not divide F (which
+        ``check`` makes a multiple of 64)."""
+        return self if d_ff % self.block_n == 0 else dataclasses.replace(
+            self, block_n=mg.ALIGN)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicMoeMlpTiles:
+    """Tiles of the Mosaic GPU expert MLP; None picks that part's heuristic.
+
+    Attributes:
+      gate_up: kernel 1 (``GateUpTiles``).
+      down: kernel 2, the down GEMM with the combine epilogue: the forward fields
+        of ``ragged_dot.mosaic_gpu.MosaicTiles`` (block_n over D, block_k over F).
+      backward: ``MosaicTiles`` of the backward's grouped GEMMs.
+    """
+
+    gate_up: GateUpTiles | None = None
+    down: mg.MosaicTiles | None = None
+    backward: mg.MosaicTiles | None = None
+
+    def __post_init__(self):
+        for name, kind in (("gate_up", GateUpTiles), ("down", mg.MosaicTiles),
+                           ("backward", mg.MosaicTiles)):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, kind):
+                raise ValueError(f"MosaicMoeMlpTiles.{name} must be {kind.__name__} or "
+                                 f"None; got {type(v).__name__}")
 
 
 def check(x: jax.Array, weights: jax.Array, up_edf: jax.Array, *,
@@ -91,9 +133,18 @@ def check(x: jax.Array, weights: jax.Array, up_edf: jax.Array, *,
             raise NotImplementedError(f"mosaic_gpu: {reason}")
 
 
-def backward_tiles(tiles) -> None:
-    """The backward's grouped GEMMs use ``ragged_dot.mosaic_gpu``'s heuristic."""
-    del tiles
+def backward_tiles(tiles: MosaicMoeMlpTiles | None) -> mg.MosaicTiles | None:
+    """The ragged_dot tiles of the backward GEMMs (None: ragged_dot's heuristic)."""
+    return None if tiles is None else _resolve(tiles).backward
+
+
+def _resolve(tiles) -> MosaicMoeMlpTiles:
+    if tiles is None:
+        return MosaicMoeMlpTiles()
+    if not isinstance(tiles, MosaicMoeMlpTiles):
+        raise TypeError(f"mosaic_gpu: tiles must be MosaicMoeMlpTiles or None; got "
+                        f"{type(tiles).__name__}")
+    return tiles
 
 
 def _gate_up_body(sched_gmem, order_gmem, nv_gmem, x_gmem, zero_gmem, *refs,
@@ -176,7 +227,7 @@ def gate_up(x, sort_order, num_valid, group_sizes, gate_edf, up_edf, *, activati
     """h [M, F] in x's dtype: the activation of the gathered rows' gate/up GEMMs
     (rows past num_valid give act(0) = 0)."""
     m, (d, f) = sort_order.shape[0], up_edf.shape[1:]
-    tiles = tiles or GateUpTiles.for_shape(f)
+    tiles = (tiles or GateUpTiles.for_shape(f)).fit(f)
     mats = [w for w in (gate_edf, up_edf) if w is not None]
     body = functools.partial(_gate_up_body, top_k=top_k, activation=activation,
                              tiles=tiles)
@@ -260,15 +311,16 @@ def _scatter_add_kernel(*operands, top_k: int, tiles: mg.MosaicTiles, interpret)
 
 
 def moe_mlp(x, sort_order, weights, group_sizes, num_valid, gate_edf, up_edf, down_efd, *,
-            activation: str, tiles: GateUpTiles | None = None,
+            activation: str, tiles: MosaicMoeMlpTiles | None = None,
             interpret: bool = False) -> jax.Array:
     """The forward (``reference.moe_mlp``'s contract): y [T, D] float32.
 
-    Args: as ``triton.moe_mlp``; tiles: ``GateUpTiles`` or None.
+    Args: as ``triton.moe_mlp``; tiles: ``MosaicMoeMlpTiles`` or None (heuristics).
     """
     check(x, weights, up_edf, interpret=interpret)
+    tiles = _resolve(tiles)
     h = gate_up(x, sort_order, num_valid, group_sizes, gate_edf, up_edf,
-                activation=activation, top_k=weights.shape[1], tiles=tiles,
+                activation=activation, top_k=weights.shape[1], tiles=tiles.gate_up,
                 interpret=interpret)
     return down_combine(h, down_efd, sort_order, weights, num_valid, group_sizes,
-                        interpret=interpret)
+                        tiles=tiles.down, interpret=interpret)

@@ -24,7 +24,7 @@ from jax import export
 from aristax import MoEConfig, MoEParams, moe
 from aristax.pallas_kernels import moe_mlp
 from aristax.pallas_kernels.moe_mlp import (
-    MoeMlpTiles, api, fused_backend, mosaic_gpu, reference,
+    GateUpTiles, MoeMlpTiles, MosaicMoeMlpTiles, api, fused_backend, mosaic_gpu, reference,
 )
 from aristax.pallas_kernels.permute import reference as permute_reference
 from aristax.pallas_kernels.ragged_dot import mosaic_gpu as mg
@@ -42,7 +42,10 @@ MOSAIC_SHAPE_K_EQ_E = (8, 128, 64, 3, 3)
 TILES = {"triton": MoeMlpTiles(
     gate_up=KernelTiles(16, 32, 16, 4, 2), down=KernelTiles(16, 16, 16, 4, 2),
     backward=TritonTiles(block_m=16, block_n=32, block_k=16, block_m_tgmm=16,
-                         block_k_tgmm=32, block_n_tgmm=16))}
+                         block_k_tgmm=32, block_n_tgmm=16)),
+    # 128 gathered rows per tile (more than T*K), a one-step down pipeline
+    "mosaic_gpu": MosaicMoeMlpTiles(gate_up=GateUpTiles(block_m=128),
+                                    down=mg.MosaicTiles(block_m=64, max_concurrent_steps=1))}
 # Per backend: every activation, both operand widths where served (bf16 operands
 # accumulate in float32), K = E; the routing cases each combination runs (None: all
 # of ``routings``). An interpreted Mosaic GPU forward+backward takes ~12 s, so its
@@ -66,14 +69,15 @@ def test_mosaic_gpu_gate_up_alone_matches_and_has_no_races():
     """The Mosaic GPU gate/up kernel by itself, so that the race detector (which keeps
     only the last kernel's state) sees it: h equals the activation of the reference
     grouped GEMMs of the gathered rows; rows past num_valid (below the routed sum
-    here) are 0. D = 192: three 64-wide K steps, so a buffer slot is refilled."""
-    shape = (20, 192, 64, 5, 2)
+    here) are 0. D = 192: three 64-wide K steps, so a buffer slot is refilled; F =
+    64 with block_n = 128 asked for: the tiles must fit F (64-wide column tiles)."""
+    shape = (8, 192, 64, 3, 2)
     T, D, F, E, K = shape
     x, _, gate, up, _, _ = operands(shape, jnp.bfloat16, 7)
     gate, up = gate.astype(jnp.bfloat16), up.astype(jnp.bfloat16)
     order, sizes, nv = routings(T, E, K)["num_valid_below_sum"]
     h = mosaic_gpu.gate_up(x, order, nv, sizes, gate, up, activation="swiglu", top_k=K,
-                           interpret=True)
+                           tiles=GateUpTiles(block_n=128), interpret=True)
     assert not mg.races_found()
     rows = permute_reference.permute(x, order, nv, top_k=K)
     pre = [ragged_dot_reference.ragged_dot(rows, w, sizes,
@@ -288,13 +292,24 @@ def test_tiles_validate_and_fit_shapes():
     tiles = MoeMlpTiles.for_shape(8 * 4096, 4096, 14336, jnp.bfloat16)
     assert tiles.gate_up.block_n == 64 and tiles.down.block_n == 128
     assert MoeMlpTiles.for_shape(40, 24, 40, jnp.float32, gated=False).gate_up.block_n == 64
+    with pytest.raises(ValueError, match="GateUpTiles.block_m must be a positive multiple"):
+        GateUpTiles(block_m=96)
+    with pytest.raises(ValueError, match="GateUpTiles.block_k must be 64"):
+        GateUpTiles(block_k=128)
+    with pytest.raises(ValueError, match="MosaicMoeMlpTiles.down must be MosaicTiles"):
+        MosaicMoeMlpTiles(down=GateUpTiles())
+    assert GateUpTiles.for_shape(192).block_n == 64
+    assert GateUpTiles(block_n=128).fit(192).block_n == 64
+    assert GateUpTiles(block_n=128).fit(256).block_n == 128
+    with pytest.raises(TypeError, match="MosaicMoeMlpTiles or None"):
+        mosaic_gpu.backward_tiles(GateUpTiles())
 
 
 EXPORT_CASES = {  # name -> [(dtype, activation, (T, D, F, E, K), use TILES?)]
     "triton": [(jnp.float32, "swiglu", (19, 24, 40, 5, 2), True),
                (jnp.float16, "gelu", (33, 200, 48, 4, 1), False),
                (jnp.bfloat16, "geglu", (256, 256, 512, 8, 8), False)],
-    "mosaic_gpu": [(jnp.bfloat16, "swiglu", (36, 128, 192, 5, 2), False),
+    "mosaic_gpu": [(jnp.bfloat16, "swiglu", (36, 128, 192, 5, 2), True),
                    (jnp.float16, "gelu", (64, 256, 64, 8, 1), False),
                    (jnp.bfloat16, "geglu", (256, 256, 512, 8, 8), False)],
 }
