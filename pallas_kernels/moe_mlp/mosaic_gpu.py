@@ -14,14 +14,16 @@ a zero row), copies the staging tile through registers into the wgmma operand ti
 runs one wgmma per weight (gate, up) into float32 accumulators; the epilogue applies
 the activation (``moe_mlp.triton.activate``: exp and a Chebyshev erfc, no erf
 lowering needed) and stores h [M, F] in x's dtype.
-Kernel ``_down_combine_body`` walks the same schedule over D tiles: the pipelined
+Kernel ``_down_scatter_body`` walks the same schedule over D tiles: the pipelined
 K loop of ``ragged_dot.mosaic_gpu`` (``_gmm_tile``) gives the float32 tile
-h[rows] @ down[e]; the epilogue stores it to SMEM and, for each row m below nv,
-atomically adds w.flat[s] * tile[m] into y[s // K] (s = sort_order[m]; float atomics,
-so the order of a token's K additions varies from run to run). y starts as zeros (a
-``jax.new_ref`` the kernel writes in place). Interpret mode has no atomics (JAX 0.10):
-there the add is a read and a write on one simulated program, exact because nothing
-else writes y meanwhile; the atomic path is checked by the CUDA lowering.
+h[rows] @ down[e] in SMEM; the epilogue multiplies each row m by its routing weight
+w.flat[s] (s = sort_order[m]; 0 for rows past nv) and stores it by a one-row TMA to
+row s of a slot-ordered [T*K, D] array; y sums each token's K slots (in order, as
+the reference combine). sort_order is a permutation, so every slot is written
+exactly once: no zero fill, no atomics, deterministic, and the kernel batches under
+``jax.vmap`` like every ``plgpu.kernel``. (A scatter-add into y by float atomics
+would save the [T*K, D] round trip, but Pallas' Mosaic GPU interpreter has no
+atomics and a kernel that updates a zero-filled ref cannot be batched in JAX 0.10.)
 The backward (``api._kernel_bwd``) runs on the Mosaic GPU ``ragged_dot`` and
 ``permute`` kernels.
 
@@ -46,7 +48,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from aristax.pallas_kernels.moe_mlp.triton import activate
 from aristax.pallas_kernels.permute import mosaic_gpu as permute_mg
 from aristax.pallas_kernels.ragged_dot import mosaic_gpu as mg
-from aristax.pallas_kernels.tiling import varying_like
 
 MAX_TOP_K = permute_mg.MAX_TOP_K
 
@@ -90,7 +91,8 @@ class MosaicMoeMlpTiles:
     Attributes:
       gate_up: kernel 1 (``GateUpTiles``).
       down: kernel 2, the down GEMM with the combine epilogue: the forward fields
-        of ``ragged_dot.mosaic_gpu.MosaicTiles`` (block_n over D, block_k over F).
+        of ``ragged_dot.mosaic_gpu.MosaicTiles`` (block_n over D, block_k over F;
+        a block_n that is not a multiple of 128 after fitting D becomes 128).
       backward: ``MosaicTiles`` of the backward's grouped GEMMs.
     """
 
@@ -113,7 +115,7 @@ def check(x: jax.Array, weights: jax.Array, up_edf: jax.Array, *,
 
     x bfloat16 or float16 (wgmma would run float32 as TF32); K <= ``MAX_TOP_K``;
     T*K a multiple of 8 and F of 64 (the Mosaic grouped GEMMs); D a multiple of
-    128 (the combine epilogue adds 1-D tile rows, as Mosaic ``combine`` does);
+    128 (the down GEMM's epilogue scales 1-D tile rows, as Mosaic ``combine``);
     compiled only on Hopper or when cross-lowering.
     """
     (T, D), K, F = x.shape, weights.shape[1], up_edf.shape[2]
@@ -238,21 +240,12 @@ def gate_up(x, sort_order, num_valid, group_sizes, gate_edf, up_edf, *, activati
         *mats)
 
 
-def _add_row(y_gmem, row, cols, value, interpret) -> None:
-    """y[row, cols] += value ([BN] float32): a float atomic add on the GPU. Pallas'
-    Mosaic GPU interpreter has no atomics (JAX 0.10); there the add is a read and a
-    write, which is exact because ``down_combine`` interprets on one program."""
-    if interpret:
-        y_gmem[row, cols] = y_gmem[row, cols] + value
-    else:
-        plgpu.atomic_add(y_gmem.at[row, cols], value)
-
-
-def _down_combine_body(sched_gmem, order_gmem, w_gmem, nv_gmem, h_gmem, down_gmem,
-                       y_gmem, *, top_k: int, tiles: mg.MosaicTiles, interpret):
-    """y[sort_order[m] // K] += w.flat[sort_order[m]] * (h[m] @ down[e]) for the rows
-    m < nv of each scheduled (expert, row tile), D tile; y starts at zero."""
-    m, d = h_gmem.shape[0], y_gmem.shape[1]
+def _down_scatter_body(sched_gmem, order_gmem, w_gmem, nv_gmem, h_gmem, down_gmem,
+                       out_gmem, *, tiles: mg.MosaicTiles):
+    """out[s] = w.flat[s] * (h[m] @ down[e]) with s = sort_order[m] for the rows m < nv
+    of each scheduled (expert, row tile), D tile; 0 for the other rows' slots. Every
+    slot is some row's (sort_order is a permutation), so out is written once."""
+    d = out_gmem.shape[1]
     bm, bn = tiles.block_m, tiles.block_n
     num_experts, nv = down_gmem.shape[0], nv_gmem[0]
 
@@ -262,52 +255,57 @@ def _down_combine_body(sched_gmem, order_gmem, w_gmem, nv_gmem, h_gmem, down_gme
         expert, block, lo, hi = (sched_gmem[i, t] for i in range(4))
         row0, cols = block * bm, pl.ds(ni * bn, bn)
 
-        def epilogue(out_smem):
-            out_smem[...] = mg._gmm_tile(h_gmem, down_gmem.at[expert], block, ni, tiles)
+        def scatter(tile):
+            @pl.when(expert < num_experts)  # the pseudo-group's rows are all past nv
+            def _():
+                tile[...] = mg._gmm_tile(h_gmem, down_gmem.at[expert], block, ni, tiles)
 
-            @pl.loop(lo, jnp.minimum(hi, nv - row0))
+            @pl.loop(lo, hi)
+            def _(r):  # by branch: a non-finite h row past nv must not leak as NaN * 0
+                keep = row0 + r < nv
+
+                @pl.when(keep)
+                def _():
+                    tile[r] = tile[r] * w_gmem[order_gmem[row0 + r]]
+
+                @pl.when(jnp.logical_not(keep))
+                def _():
+                    tile[r] = jnp.zeros((bn,), tile.dtype)
+
+            plgpu.commit_smem()
+
+            @pl.loop(lo, hi)
             def _(r):
-                slot = order_gmem[row0 + r]
-                _add_row(y_gmem, slot // top_k, cols, out_smem[r] * w_gmem[slot],
-                         interpret)
+                plgpu.copy_smem_to_gmem(tile.at[pl.ds(r, 1)],
+                                        out_gmem.at[pl.ds(order_gmem[row0 + r], 1), cols])
 
-        @pl.when((hi > lo) & (expert < num_experts))  # the pseudo-group adds nothing
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        @pl.when(hi > lo)
         def _():
-            pl.run_scoped(epilogue, plgpu.SMEM((bm, bn), jnp.float32))
+            pl.run_scoped(scatter, plgpu.SMEM((bm, bn), jnp.float32))
 
 
 def down_combine(h, down_efd, sort_order, weights, num_valid, group_sizes, *,
                  tiles: mg.MosaicTiles | None = None, interpret=False) -> jax.Array:
     """y [T, D] float32, y[t] = sum_k weights[t, k] * (h @ down[e])[row of slot t*K+k]
-    over the rows below num_valid: the down grouped GEMM with the routing-weight
-    multiply and the combine (scatter-add by token) in its epilogue.
+    over the rows below num_valid: the down grouped GEMM whose epilogue multiplies
+    each row by its routing weight and stores it to its slot (out [T*K, D] in slot
+    order, each slot written once); y sums each token's K slots in order.
 
     h: [M, F] in expert order (16-bit); down_efd: [E, F, D], h's dtype.
     """
     (m, f), (e, _, d), (T, K) = h.shape, down_efd.shape, weights.shape
-    interpret = mg.resolve_interpret(interpret)
     tiles = mg._resolve_tiles(tiles, m, f, d, e, h.dtype, jnp.float32)
-    operands = (mg.row_tile_schedule(group_sizes, m, tiles.block_m), sort_order,
-                weights.reshape(-1).astype(jnp.float32),
-                jnp.asarray(num_valid, jnp.int32).reshape(1), h, down_efd)
-    y = _scatter_add_kernel(*operands, top_k=K, tiles=tiles, interpret=interpret)
-    return varying_like(y, *operands)
-
-
-@functools.partial(jax.jit, static_argnames=("top_k", "tiles", "interpret"))
-def _scatter_add_kernel(*operands, top_k: int, tiles: mg.MosaicTiles, interpret):
-    """Run ``_down_combine_body`` on a zero y [T, D] float32 (a GMEM ref it updates in
-    place; such refs exist only under ``jit``)."""
-    num_tokens = operands[1].shape[0] // top_k
-    y = jax.new_ref(jnp.zeros((num_tokens, operands[-1].shape[2]), jnp.float32),
-                    memory_space=plgpu.GMEM)
-    body = functools.partial(_down_combine_body, top_k=top_k, tiles=tiles,
-                             interpret=bool(interpret))
-    programs = 1 if interpret else mg._num_programs(interpret)
-    pl.kernel(body, out_type=(), mesh=plgpu.Mesh(grid=(programs,), grid_names=("sm",)),
-              compiler_params=mg._COMPILER_PARAMS,
-              interpret=mg._interpret_arg(interpret))(*operands, y)
-    return y[...]
+    if tiles.block_n % permute_mg.ROW_ALIGN:  # the epilogue's 1-D rows need 128+
+        tiles = dataclasses.replace(tiles, block_n=permute_mg.ROW_ALIGN)
+    body = functools.partial(_down_scatter_body, tiles=tiles)
+    slots = permute_mg._launch(
+        body, jax.ShapeDtypeStruct((m, d), jnp.float32), interpret,
+        mg.row_tile_schedule(group_sizes, m, tiles.block_m), sort_order,
+        weights.reshape(-1).astype(jnp.float32),
+        jnp.asarray(num_valid, jnp.int32).reshape(1), h, down_efd)
+    return jnp.sum(slots.reshape(T, K, d), axis=1)
 
 
 def moe_mlp(x, sort_order, weights, group_sizes, num_valid, gate_edf, up_edf, down_efd, *,
