@@ -373,6 +373,27 @@ def test_exported_cuda_lowering(name, case):
         assert texts[1].count(f"custom_call {GPU_CALLS[name]}") == 2 + 8 + 2 * gated
 
 
+@pytest.mark.parametrize("name", KERNELS)
+def test_vmap_of_value_and_grad_lowers_for_cuda(name):
+    """jax.vmap over a batch of problems (per-element routing and weights) runs the
+    same kernels, forward and backward: every kernel batches."""
+    (T, D, F, E, K), _ = SERVED[name]
+    dtype, B, S = jnp.bfloat16, 3, jax.ShapeDtypeStruct  # bf16: every backend serves it
+
+    def loss(x, weights, gate, up, down, order, sizes):
+        y = moe_mlp(x, order, weights, sizes, gate, up, down, activation="swiglu",
+                    implementation=name, interpret=False)
+        return jnp.sum(y * y)
+
+    fn = jax.jit(jax.vmap(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))))
+    avals = (S((B, T, D), dtype), S((B, T, K), jnp.float32), S((B, E, D, F), dtype),
+             S((B, E, D, F), dtype), S((B, E, F, D), dtype), S((B, T * K), jnp.int32),
+             S((B, E), jnp.int32))
+    text = export.export(fn, platforms=["cuda"], disabled_checks=TRITON_CUDA)(
+        *avals).mlir_module()
+    assert GPU_CALLS[name] in text
+
+
 LAYER_CASES = {  # name -> MoEConfig overrides (num_experts=4, d_model=24, d_ff=40)
     "dropless_top2_swiglu_shared": dict(top_k=2, num_shared_experts=1,
                                         normalize_weights=True),
