@@ -27,12 +27,12 @@ atomics and a kernel that updates a zero-filled ref cannot be batched in JAX 0.1
 The backward (``api._kernel_bwd``) runs on the Mosaic GPU ``ragged_dot`` and
 ``permute`` kernels.
 
-The gate/up K loop is double-buffered (two slots of staging and weight tiles, one barrier
-pair per slot): step kk+1's gathers and weight copies are in flight while step kk
-waits, copies and multiplies. The operand tile is single: each step waits for the
-previous wgmma before overwriting it. Never run on a GPU: correct in interpret mode
-(race detector on; it does not model the asynchrony of wgmma, so the wgmma waits
-are by construction) and lowers for CUDA.
+The gate/up K loop is double-buffered (two slots of staging and weight tiles, a
+barrier pair per slot): step kk+1's gathers and weight copies are in flight while
+step kk waits for its own, copies and multiplies. The operand tile is single: each
+step waits for the previous wgmma before overwriting it. Never run on a GPU: correct
+in interpret mode (race detector on; it does not model the asynchrony of wgmma, so
+the wgmma waits are right by construction) and lowers for CUDA.
 """
 
 from __future__ import annotations
@@ -154,9 +154,9 @@ def _gate_up_body(sched_gmem, order_gmem, nv_gmem, x_gmem, zero_gmem, *refs,
     """h[m] = act(x[sort_order[m] // K] @ gate[e], ... @ up[e]) for the rows of each
     scheduled (expert, row tile), F tile; refs = ([gate,] up, h).
 
-    The K loop is double-buffered: step kk's row gathers and weight copies land in
-    slot kk % 2 while step kk-1's wgmma runs; a slot is refilled only after the wgmma
-    that read it has been waited for.
+    The K loop is double-buffered: step kk issues step kk+1's row gathers and weight
+    copies into slot (kk+1) % 2, then waits for its own slot and multiplies; a slot
+    is refilled only after the wgmma that read it has been waited for.
     """
     *mats, h_gmem = refs
     (m, f), (T, D) = h_gmem.shape, x_gmem.shape
