@@ -64,8 +64,15 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as _gpu_callbacks
-from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+try:  # Pallas' Mosaic GPU interpreter: private in JAX 0.10, needed for interpret mode only
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as _gpu_callbacks
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+except ImportError:  # a JAX that moved them (e.g. a GPU image's): compiled kernels still run
+    _gpu_callbacks = None
+
+    class InterpretGPUParams:  # noqa: D101 - stands in so isinstance checks stay valid
+        pass
 
 from aristax.pallas_kernels.tiling import varying_like
 
@@ -203,7 +210,16 @@ def interpret_params(*, detect_races: bool = True) -> InterpretGPUParams:
 
     Out-of-bounds reads (a row tile running past M) give NaN instead of raising,
     as TMA allows them (it fills zeros); uninitialized memory is NaN.
+
+    Raises:
+      NotImplementedError: this JAX has no Mosaic GPU interpreter where JAX 0.10 has
+        it (``jax._src.pallas.mosaic_gpu.interpret``).
     """
+    if _gpu_callbacks is None:
+        raise NotImplementedError(
+            f"mosaic_gpu: interpret mode needs Pallas' Mosaic GPU interpreter at "
+            f"jax._src.pallas.mosaic_gpu.interpret (JAX 0.10); jax {jax.__version__} has "
+            f"none there. Run the compiled kernels (interpret=False) on a Hopper GPU.")
     return InterpretGPUParams(
         detect_races=detect_races,
         out_of_bounds_reads="uninitialized",
@@ -213,13 +229,14 @@ def interpret_params(*, detect_races: bool = True) -> InterpretGPUParams:
 
 def races_found() -> bool:
     """Whether the last interpreted kernel (with race detection on) saw a data race."""
-    races = _gpu_callbacks._races
+    races = getattr(_gpu_callbacks, "_races", None)
     return bool(races is not None and races.races_found)
 
 
 def reset_interpret_state() -> None:
     """Clear the interpreter's global state (needed after a kernel raised)."""
-    _gpu_callbacks.reset_gpu_interpret_mode_state()
+    if _gpu_callbacks is not None:
+        _gpu_callbacks.reset_gpu_interpret_mode_state()
 
 
 def resolve_interpret(interpret) -> bool | InterpretGPUParams:

@@ -300,3 +300,34 @@ def test_compiled_on_hopper(in_dtype):
     dout = jax.random.normal(jax.random.key(8), (m, n), jnp.float32).astype(in_dtype)
     _assert_close(mg.tgmm(lhs, dout, gs, out_dtype=jnp.float32),
                   _tgmm_numpy(lhs, dout, sizes), jnp.float32)
+
+
+def test_imports_and_lowers_without_the_private_interpreter():
+    """On a JAX whose Mosaic GPU interpreter is not at JAX 0.10's private path (a GPU
+    image may ship another JAX), the package still imports and the compiled kernel
+    still lowers; only interpret mode refuses, naming the reason (a fresh process with
+    that module hidden)."""
+    import subprocess
+    import sys
+
+    script = """
+import sys
+sys.modules["jax._src.pallas.mosaic_gpu.interpret.gpu_callbacks"] = None
+import jax, jax.numpy as jnp
+from aristax.pallas_kernels.ragged_dot import mosaic_gpu as mg
+S = jax.ShapeDtypeStruct
+args = (S((64, 128), jnp.bfloat16), S((2, 128, 128), jnp.bfloat16), S((2,), jnp.int32))
+text = jax.export.export(jax.jit(mg.gmm), platforms=["cuda"])(*args).mlir_module()
+assert "custom_call @mosaic_gpu" in text
+try:
+    mg.interpret_params()
+except NotImplementedError as err:
+    assert "interpret mode needs" in str(err), err
+else:
+    raise AssertionError("interpret_params did not refuse")
+assert not mg.races_found()
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
