@@ -75,7 +75,7 @@ def _run(backend: str | None, top_k: int):
             p_fn = lambda x: reference.permute(x, order, nv, top_k=top_k)  # noqa: E731
             c_fn = lambda r, w: reference.combine(r, order, w, nv)  # noqa: E731
         else:
-            kw = dict(num_valid=nv, interpret=True)
+            kw = dict(num_valid=nv, interpret=None)  # CPU: interpreted; GPU: compiled
             p_fn = lambda x: permute(x, order, top_k=top_k, implementation=backend,  # noqa: E731
                                      **kw)
             c_fn = lambda r, w: combine(r, order, w, implementation=backend, **kw)  # noqa: E731
@@ -98,7 +98,12 @@ def test_matches_reference_and_gradients(backend, shape):
     if backend == "mosaic_gpu" and D % mosaic_gpu.ROW_ALIGN:
         pytest.skip(f"Mosaic GPU combine needs D % {mosaic_gpu.ROW_ALIGN} == 0 (tested below)")
     x, rows, weights, ct_rows, dy = _data(T, D, K, dtype)
-    for name, (order, nv) in _orders(T, K, E).items():
+    orders = _orders(T, K, E)
+    if backend == "mosaic_gpu":
+        # interpreted, ~10 s an order: "unrouted_tokens" is "random" with two tokens
+        # unrouted, and "empty_experts" keeps every row valid
+        del orders["random"]
+    for name, (order, nv) in orders.items():
         args = (x, jnp.asarray(order), jnp.int32(nv), rows, weights, ct_rows, dy)
         got, want = _run(backend, K)(*args), _run(None, K)(*args)
         if backend == "mosaic_gpu":
