@@ -71,8 +71,8 @@ try:  # Pallas' Mosaic GPU interpreter: private in JAX 0.10, needed for interpre
 except ImportError:  # a JAX that moved them (e.g. a GPU image's): compiled kernels still run
     _gpu_callbacks = None
 
-    class InterpretGPUParams:  # noqa: D101 - stands in so isinstance checks stay valid
-        pass
+    class InterpretGPUParams:
+        """Stands in for the missing class, so that isinstance checks stay valid."""
 
 from aristax.pallas_kernels.tiling import varying_like
 
