@@ -119,7 +119,8 @@ def check(x: jax.Array, weights: jax.Array, up_edf: jax.Array, *,
     compiled only on Hopper or when cross-lowering.
     """
     (T, D), K, F = x.shape, weights.shape[1], up_edf.shape[2]
-    reasons = (
+    mg.raise_if(
+        "mosaic_gpu",
         None if K <= MAX_TOP_K else f"top_k={K} > {MAX_TOP_K}",
         None if jnp.dtype(x.dtype) in mg.INPUT_DTYPES else
         f"x dtype {x.dtype} (bfloat16/float16: float32 would run as TF32 on wgmma)",
@@ -130,9 +131,6 @@ def check(x: jax.Array, weights: jax.Array, up_edf: jax.Array, *,
         f"D={D} must be a multiple of {permute_mg.ROW_ALIGN}",
         mg._platform_reason(interpret),
     )
-    for reason in reasons:
-        if reason:
-            raise NotImplementedError(f"mosaic_gpu: {reason}")
 
 
 def backward_tiles(tiles: MosaicMoeMlpTiles | None) -> mg.MosaicTiles | None:

@@ -71,7 +71,8 @@ class GatherTiles:
 
 def _check(op: str, arr: jax.Array, top_k: int, interpret, align: int = ALIGN) -> None:
     """NotImplementedError (the front door then tries the next backend) when unserved."""
-    reasons = (
+    mg.raise_if(
+        f"mosaic_gpu {op}",
         None if jnp.dtype(arr.dtype) in DTYPES else
         f"dtype {arr.dtype} (float32/bfloat16/float16)",
         None if arr.shape[1] % align == 0 else
@@ -80,9 +81,6 @@ def _check(op: str, arr: jax.Array, top_k: int, interpret, align: int = ALIGN) -
         None if top_k <= MAX_TOP_K else f"top_k={top_k} > {MAX_TOP_K}",
         mg._platform_reason(interpret),
     )
-    for reason in reasons:
-        if reason:
-            raise NotImplementedError(f"mosaic_gpu {op}: {reason}")
 
 
 def _gather_rows(src_gmem, zero_gmem, buf, barrier, source_row, col0, block_d) -> None:

@@ -294,10 +294,12 @@ def _shape_reason(m: int, k: int, n: int, num_groups: int) -> str | None:
     return None
 
 
-def _raise_if(*reasons: str | None) -> None:
+def raise_if(op: str, *reasons: str | None) -> None:
+    """NotImplementedError "{op}: {reason}" for the first reason that is not None (the
+    front door then tries the next backend)."""
     for reason in reasons:
         if reason:
-            raise NotImplementedError(f"mosaic_gpu ragged_dot: {reason}")
+            raise NotImplementedError(f"{op}: {reason}")
 
 
 def check(lhs, rhs, group_sizes, out_dtype=None, *, interpret=False) -> None:
@@ -308,7 +310,8 @@ def check(lhs, rhs, group_sizes, out_dtype=None, *, interpret=False) -> None:
     """
     out_dtype = lhs.dtype if out_dtype is None else out_dtype
     (m, k), (g, _, n) = lhs.shape, rhs.shape
-    _raise_if(
+    raise_if(
+        "mosaic_gpu ragged_dot",
         _dtype_reason(lhs.dtype, rhs.dtype, out_dtype),
         _shape_reason(m, k, n, g),
         None if group_sizes.shape == (g,) else f"group_sizes must be [{g}]",
@@ -320,7 +323,8 @@ def check_tgmm(lhs, dout, group_sizes, out_dtype=None, *, interpret=False) -> No
     """``check`` for ``tgmm(lhs[M,K], dout[M,N], group_sizes[G])``."""
     out_dtype = lhs.dtype if out_dtype is None else out_dtype
     (m, k), (_, n) = lhs.shape, dout.shape
-    _raise_if(
+    raise_if(
+        "mosaic_gpu ragged_dot",
         _dtype_reason(lhs.dtype, dout.dtype, out_dtype),
         _shape_reason(m, k, n, group_sizes.shape[0]),
         _platform_reason(interpret),
