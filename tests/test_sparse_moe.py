@@ -1,6 +1,7 @@
 """aristax.models.sparse_moe (the decode/prefill MoE of Mixtral.decode_weights) against
-the per-token reference in tests/moe_reference.py, on both of its paths: every selected
-expert on every row (T <= MAX_TOKENS) and rows grouped by expert in chunks (larger T)."""
+the per-token reference in tests/moe_reference.py, on both of its paths: each selected
+expert once, on all rows or one GEMV per token (T <= MAX_TOKENS), and rows grouped by
+expert in chunks (larger T)."""
 
 from __future__ import annotations
 
@@ -18,15 +19,17 @@ SMALL, LARGE = 7, 150  # the two paths: T <= MAX_TOKENS < T
 D, F, E = 16, 24, 6
 
 
-def run_and_compare(cfg: MoEConfig, x, router_de=None, bias=None, seed=0):
+def run_and_compare(cfg: MoEConfig, x, router_de=None, bias=None, seed=0, gemv_rows=None):
     module = MoE(cfg, rngs=nnx.Rngs(seed))
     if router_de is None:
         router_de = jax.random.normal(jax.random.key(seed + 1), (D, cfg.num_experts)) * 0.5
     module.router.weight_de[...] = router_de
     p = {"router_de": router_de, "gate_edf": module.experts.gate_edf[...],
          "up_edf": module.experts.up_edf[...], "down_efd": module.experts.down_efd[...]}
-    y, logits = jax.jit(sparse_moe.sparse_moe, static_argnums=(3, 4))(
-        x, router_de, sparse_moe.expert_weights(module.experts), cfg.router_config, cfg.activation, bias=bias)
+    y, logits = jax.jit(sparse_moe.sparse_moe, static_argnums=(3, 4),
+                        static_argnames="gemv_rows")(
+        x, router_de, sparse_moe.expert_weights(module.experts), cfg.router_config,
+        cfg.activation, bias=bias, gemv_rows=gemv_rows)
     pl = ref.plan(x, router_de, cfg, bias=None if bias is None else np.asarray(bias))
     np.testing.assert_allclose(np.asarray(y), ref.forward(x, p, cfg, pl), rtol=2e-5,
                                atol=2e-5)
@@ -57,6 +60,45 @@ def test_hard_loads_all_on_one_expert_and_empty_experts(T):
     x = jnp.abs(tokens(T)) + 0.1  # positive rows: expert 2's logit is the largest
     pl = run_and_compare(cfg, x, router_de=router)
     assert pl["load"][2] == T and pl["load"].sum() == T
+
+
+def routed_exactly(counts, seed=4):
+    """x [T, D] and router [D, E] under which top-1 sends counts[e] tokens to expert e
+    (in a random token order): token t is a one-hot of its expert plus small noise."""
+    expert_of = np.random.default_rng(seed).permutation(np.repeat(np.arange(len(counts)),
+                                                                  counts))
+    noise = np.random.default_rng(seed + 1).normal(size=(len(expert_of), D)) * 0.1
+    x = np.eye(D, dtype=np.float32)[expert_of] * 4.0 + noise.astype(np.float32)
+    return jnp.asarray(x), jnp.eye(D, len(counts))
+
+
+def test_grouped_path_runs_every_tail_size():
+    """Exact per-expert row counts on the grouped path: empty, a tail of 1 row, a
+    whole chunk (no tail), and tails that need each of ``tail_sizes``' GEMMs,
+    including the largest (chunk - 1 rows)."""
+    chunk = 64
+    counts = [0, 1, chunk, chunk + 30, 2 * chunk + 12, chunk - 1]  # E = 6
+    assert sparse_moe._chunk_rows(sum(counts), E) == chunk
+    tails = sparse_moe.tail_sizes(chunk)
+    needed = {min(s for s in tails if s >= c % chunk) for c in counts if c % chunk}
+    assert needed == set(tails), (needed, tails)
+    x, router = routed_exactly(counts)
+    pl = run_and_compare(MoEConfig(num_experts=E, top_k=1, d_model=D, d_ff=F), x,
+                         router_de=router)
+    np.testing.assert_array_equal(pl["load"], counts)
+
+
+@pytest.mark.parametrize("gemv_rows", [0, 4])
+def test_few_tokens_path_runs_every_branch(gemv_rows):
+    """Exact per-expert counts 0..5 on the few-tokens path: with gemv_rows=4 (the CPU
+    default) counts 1-4 run one GEMV per token and 5 all rows; with 0 (elsewhere)
+    every selected expert runs all rows."""
+    counts = [0, 1, 2, 3, 4, 5]
+    assert sum(counts) <= sparse_moe.MAX_TOKENS
+    x, router = routed_exactly(counts)
+    pl = run_and_compare(MoEConfig(num_experts=E, top_k=1, d_model=D, d_ff=F), x,
+                         router_de=router, gemv_rows=gemv_rows)
+    np.testing.assert_array_equal(pl["load"], counts)
 
 
 @pytest.mark.parametrize("T", [SMALL, LARGE])

@@ -3,10 +3,12 @@
 Decoding one token touches K of the E experts, so its cost should not grow with E.
 The general path (``aristax.moe.moe``) groups rows with grouped GEMMs over the stacked
 [E, D, F] weights; for a handful of tokens that reads (or, on XLA:CPU, copies) every
-expert. Here, up to ``MAX_TOKENS`` tokens, expert e runs on all T rows under
-``lax.cond(any token selected e)``: an unselected expert costs a predicate, a selected
-one one read of its weights. Beyond, rows are grouped by expert and each expert's rows
-run ``chunk`` at a time (``_grouped_moe``; the CPU prefill).
+expert. Here, up to ``MAX_TOKENS`` tokens, each expert that some token selected runs
+once (``_selected_moe``): on all T rows, or on the CPU, when at most ``CPU_GEMV_ROWS``
+tokens selected it, as one GEMV per token; an unselected expert costs a predicate, a
+selected one one read of its weights. Beyond, rows are grouped by expert and each
+expert's rows run ``chunk`` at a time, its last few in one smaller GEMM
+(``_grouped_moe``; the CPU prefill).
 
 The weights are per-expert [out, in] copies (HF's layout) made once outside ``jit``
 (``Mixtral.decode_weights``), gate and up concatenated into one matrix:
@@ -25,6 +27,7 @@ w_e * down_e(silu(x gate_e) * (x up_e)).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -40,6 +43,15 @@ from aristax.pallas_kernels.permute import reference as permute_ref
 # trivial at small T); beyond, rows are grouped by expert. Off the CPU, a forward given
 # ``DecodeWeights`` uses them only up to this many tokens.
 MAX_TOKENS = 64
+
+# On XLA:CPU a GEMM of 2 to 16 rows costs about as much as four one-row GEMVs (2 cores,
+# [8192, 1024] float32: a GEMV 1.2-1.5 ms, 2 rows 3-6 ms, 8 rows 4-5 ms; XLA has a fast
+# GEMV, its small-M GEMM streams the weights at a fraction of the rate), so an expert
+# that at most this many tokens selected runs one GEMV per token (``_selected_moe``),
+# in inputs of up to GEMV_MAX_TOKENS tokens: beyond, the GEMVs save little (one expert
+# MLP on 16 rows: 9.7 ms, on 4 rows as GEMVs: about 8 ms) and each costs compile time.
+CPU_GEMV_ROWS = 4
+GEMV_MAX_TOKENS = 16
 
 # (gate_ups, downs): E arrays each, [2F, D] (gate rows first) and [D, F].
 ExpertWeights = tuple[Sequence[jax.Array], Sequence[jax.Array]]
@@ -66,7 +78,7 @@ def use_decode_weights(num_tokens: int) -> bool:
     """Whether a forward of ``num_tokens`` rows given decode weights should use them.
 
     Always on CPU: on 2 cores (D=1024, F=4096, E=6, K=2) one ``sparse_moe`` layer took
-    70-90 ms at T=80 and 320-360 ms at T=512, where ``aristax.moe`` took 655 ms and
+    75-90 ms at T=80 and 270-320 ms at T=512, where ``aristax.moe`` took 655 ms and
     2.4 s (an earlier measurement): XLA:CPU's ``lax.ragged_dot`` computes every group
     densely.
     Elsewhere only up to ``MAX_TOKENS``; grouped GEMMs are the better choice beyond.
@@ -92,22 +104,33 @@ def _expert_mlp(x, gate_up_fd, down_df, activation: str) -> jax.Array:
 
 
 def _chunk_rows(num_rows: int, num_experts: int) -> int:
-    """Rows per expert GEMM in ``_grouped_moe``: the mean rows per expert rounded up to
-    a power of two, within [32, 128] (fewer rows waste most of a CPU GEMM; padding
-    costs at most E chunks)."""
+    """Rows per full-chunk GEMM in ``_grouped_moe``: the mean rows per expert rounded
+    up to a power of two, within [32, 128] (fewer rows waste most of a CPU GEMM)."""
     mean = -(-num_rows // num_experts)
     return max(32, min(128, 1 << (mean - 1).bit_length()))
 
 
-def _grouped_moe(x, routing, weights, experts: ExpertWeights, activation: str) -> jax.Array:
-    """The MoE for many tokens: rows sorted by expert, each expert's rows through its
-    MLP ``chunk`` at a time (a loop of ceil(rows_e / chunk) GEMMs), then combined.
+def tail_sizes(chunk: int) -> tuple[int, ...]:
+    """The row counts of the one GEMM that runs an expert's last ``rows_e % chunk``
+    rows in ``_grouped_moe``: the smallest of these that holds them.
 
-    T*K + E*chunk rows of GEMMs instead of the T*E of running every selected expert
-    on every token. A chunk's rows past its expert's segment need no mask: experts run
-    in ascending order, so later experts overwrite them, and the last expert's land
-    past ``num_valid``, which ``combine`` ignores. Returns y [T, D] in the
-    accumulation dtype.
+    Padding that tail to a whole chunk cost most of the grouped path: on 2 cores
+    (D=1024, F=4096) an expert MLP on 64 rows takes 17.5 ms and on 128 rows 29.5 ms,
+    and at T=512, E=6, K=2 the ~171 rows per expert ran as 2 x 128.
+    """
+    return tuple(s for s in (chunk // 8, chunk // 4, chunk // 2, chunk) if s >= 8)
+
+
+def _grouped_moe(x, routing, weights, experts: ExpertWeights, activation: str) -> jax.Array:
+    """The MoE for many tokens: rows sorted by expert; each expert's rows through its
+    MLP ``chunk`` at a time, then its last ``rows_e % chunk`` rows in one GEMM of the
+    smallest ``tail_sizes`` that holds them; then combined.
+
+    At most T*K + E*chunk/2 rows of GEMMs (T*K plus under 2x each tail) instead of the
+    T*E of running every selected expert on every token. Rows past an expert's segment
+    need no mask: experts run in ascending order, so later experts overwrite them, and
+    the last expert's land past ``num_valid``, which ``combine`` ignores. Returns
+    y [T, D] in the accumulation dtype.
     """
     gate_ups, downs = experts
     T, K, E = x.shape[0], routing.expert_ids.shape[1], len(downs)
@@ -117,25 +140,78 @@ def _grouped_moe(x, routing, weights, experts: ExpertWeights, activation: str) -
     starts = jnp.cumsum(counts) - counts
     num_valid = jnp.sum(counts)
     chunk = _chunk_rows(T * K, E)
+    tails = tail_sizes(chunk)
     rows = permute_ref.permute(x, sort_order, num_valid, top_k=K)
     rows = jnp.pad(rows, ((0, chunk), (0, 0)))  # slices past the end stay in bounds
     out = jnp.zeros(rows.shape, accumulation_dtype(x.dtype))
-    for e in range(E):
-        def step(i, out, e=e):
-            start = starts[e] + i * chunk
-            y = _expert_mlp(jax.lax.dynamic_slice_in_dim(rows, start, chunk), gate_ups[e],
+    for e in range(E):  # each lax op below traces its functions at once: e is current
+        def mlp_rows(out, start, size):
+            y = _expert_mlp(jax.lax.dynamic_slice_in_dim(rows, start, size), gate_ups[e],
                             downs[e], activation)
             return jax.lax.dynamic_update_slice_in_dim(out, y, start, 0)
 
-        out = jax.lax.fori_loop(0, (counts[e] + chunk - 1) // chunk, step, out)
+        full = counts[e] // chunk
+        out = jax.lax.fori_loop(
+            0, full, lambda i, out: mlp_rows(out, starts[e] + i * chunk, chunk), out)
+        tail = counts[e] - full * chunk
+        branch = jnp.where(tail == 0, 0, 1 + jnp.searchsorted(jnp.asarray(tails), tail))
+        out = jax.lax.switch(
+            branch, [lambda out, start: out] + [functools.partial(mlp_rows, size=s)
+                                                for s in tails],
+            out, starts[e] + full * chunk)
     return permute_ref.combine(out[:T * K], sort_order, weights, num_valid)
+
+
+def default_gemv_rows() -> int:
+    """``sparse_moe``'s ``gemv_rows`` when not given: ``CPU_GEMV_ROWS`` on the CPU, 0
+    elsewhere (a GPU reads an expert's weights once for a few rows at about the cost of
+    one row; a GEMV per row would read them once per row)."""
+    return CPU_GEMV_ROWS if jax.default_backend() == "cpu" else 0
+
+
+def _selected_moe(x, routing, weights, experts: ExpertWeights, activation: str,
+                  gemv_rows: int) -> jax.Array:
+    """The MoE for a few tokens: each expert that n >= 1 tokens selected runs once, as
+    n one-row GEMVs on those tokens when n <= ``gemv_rows``, else on all T rows (T*E
+    rows at most, trivial at small T); an unselected expert costs predicates. Experts
+    add into y in ascending order, as HF does. Returns y [T, D] in float32.
+
+    The GEMVs are ``gemv_rows`` ``lax.cond``s, not a loop: an XLA:CPU while loop copies
+    the weights it reads on entry (2-3 ms per expert on 2 cores, even for 0 steps).
+    """
+    gate_ups, downs = experts
+    T, D = x.shape
+    E = len(downs)
+    chosen = (routing.expert_ids[..., None] == jnp.arange(E)) & routing.mask[..., None]
+    combine = jnp.sum(jnp.where(chosen, weights[..., None], 0.0), axis=1)  # [T, E]
+    selected = jnp.any(chosen, axis=1)  # [T, E]
+    counts = jnp.sum(selected, axis=0)  # [E]
+    gemv_rows = min(gemv_rows, T) if T <= GEMV_MAX_TOKENS else 0
+    y = jnp.zeros((T, D), jnp.float32)
+    for e in range(E):  # each lax op below traces its functions at once: e is current
+        def one_row_at_a_time(y):
+            for i, t in enumerate(jnp.nonzero(selected[:, e], size=gemv_rows)[0]):
+                def add_row(y):
+                    row = _expert_mlp(x[t][None], gate_ups[e], downs[e], activation)[0]
+                    return y.at[t].add(row.astype(jnp.float32) * combine[t, e])
+
+                y = jax.lax.cond(i < counts[e], add_row, lambda y: y, y)
+            return y
+
+        def all_rows(y):
+            out = _expert_mlp(x, gate_ups[e], downs[e], activation)
+            return y + out.astype(jnp.float32) * combine[:, e:e + 1]
+
+        y = jax.lax.cond(counts[e] <= gemv_rows, one_row_at_a_time, all_rows, y)
+    return y
 
 
 def sparse_moe(
     x: jax.Array, router_de: jax.Array, experts: ExpertWeights, config: RouterConfig,
     activation: str = "swiglu", *, bias: jax.Array | None = None,
+    gemv_rows: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Mixtral MoE reading only the selected experts (all rows per expert up to
+    """Mixtral MoE reading only the selected experts (each selected expert once up to
     ``MAX_TOKENS`` tokens, rows grouped by expert beyond).
 
     Args:
@@ -145,33 +221,22 @@ def sparse_moe(
       config: routing config (``MoEConfig.router_config``); token-choice routers only.
       activation: the experts' gated activation ("swiglu" or "geglu").
       bias: the router's aux-loss-free balancing bias float32[E], if any.
+      gemv_rows: up to ``GEMV_MAX_TOKENS`` tokens, an expert selected by at most this
+        many tokens runs one GEMV per token instead of a GEMM on all T rows; None =
+        ``default_gemv_rows()`` (4 on the CPU, 0 elsewhere).
     Returns:
       (y [T, D] in x's dtype, router_logits float32[T, E]).
     """
     if config.router == "expert_choice":
         raise ValueError("sparse_moe supports token-choice routers only (see supports)")
-    gate_ups, downs = experts
-    T, D = x.shape
-    E = len(downs)
+    if gemv_rows is not None and (not isinstance(gemv_rows, int) or gemv_rows < 0):
+        raise ValueError(f"sparse_moe: gemv_rows must be an int >= 0 or None; got {gemv_rows!r}")
     logits = router_logits(x, router_de)
     routing = routing_lib.route(logits, config, bias=bias)
     weights = jnp.where(routing.mask, routing.weights, 0.0)
-    if T > MAX_TOKENS:
-        return _grouped_moe(x, routing, weights, experts, activation).astype(x.dtype), logits
-    combine = jnp.zeros((T, E), jnp.float32).at[
-        jnp.arange(T)[:, None], routing.expert_ids].add(weights)  # [T, E]
-    selected = jnp.any((routing.expert_ids[..., None] == jnp.arange(E)) &
-                       routing.mask[..., None], axis=(0, 1))  # [E]
-
-    def expert(e):
-        def run(x):
-            out = _expert_mlp(x, gate_ups[e], downs[e], activation)
-            return out.astype(jnp.float32) * combine[:, e:e + 1]
-
-        return run
-
-    y = jnp.zeros((T, D), jnp.float32)
-    for e in range(E):
-        y = y + jax.lax.cond(selected[e], expert(e),
-                             lambda x: jnp.zeros((T, D), jnp.float32), x)
+    if x.shape[0] > MAX_TOKENS:
+        y = _grouped_moe(x, routing, weights, experts, activation)
+    else:
+        y = _selected_moe(x, routing, weights, experts, activation,
+                          default_gemv_rows() if gemv_rows is None else gemv_rows)
     return y.astype(x.dtype), logits
