@@ -230,16 +230,25 @@ def dot_attention(q, k, v, mask, scale: float) -> jax.Array:
     head h // (H // G). Scores and softmax in float32; masked scores are set to the
     float32 minimum (as HF adds it), so fully masked rows (padding queries) stay finite.
     Returns [B, S, H, Dh] in q's dtype.
+
+    The products run head-major, one [(H/G)*S, Dh] x [Dh, L] GEMM per (batch, KV
+    head): on 2 CPU cores that takes a 512-token prefill's attention from 145 to 80 ms
+    per layer and a batch-8 decode step's from 5.7 to 3.5 ms (einsums straight on the
+    [B, S, G, H/G, Dh] layout made XLA:CPU transpose inside each product).
     """
     B, S, H, Dh = q.shape
-    G = k.shape[2]
-    qg = q.reshape(B, S, G, H // G, Dh)
-    scores = jnp.einsum("bsgrd,blgd->bgrsl", qg, k,
+    G, L = k.shape[2], k.shape[1]
+    r = H // G
+    q_heads = q.reshape(B, S, G, r, Dh).transpose(0, 2, 3, 1, 4).reshape(B, G, r * S, Dh)
+    k_heads, v_heads = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, G, L, Dh]
+    scores = jnp.einsum("bgmd,bgld->bgml", q_heads, k_heads,
                         preferred_element_type=jnp.float32) * scale
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    out = jnp.einsum("bgrsl,blgd->bsgrd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(B, S, H, Dh).astype(q.dtype)
+    scores = jnp.where(mask[:, None, None], scores.reshape(B, G, r, S, L),
+                       jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype).reshape(B, G, r * S, L)
+    out = jnp.einsum("bgml,bgld->bgmd", probs, v_heads, preferred_element_type=jnp.float32)
+    return out.reshape(B, G, r, S, Dh).transpose(0, 3, 1, 2, 4).reshape(
+        B, S, H, Dh).astype(q.dtype)
 
 
 def load_balancing_loss(

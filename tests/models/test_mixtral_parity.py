@@ -53,7 +53,8 @@ def test_sliding_window_matters(small_pair):
         layer.attn.sliding_window = None
     a = np.asarray(forward(small_pair.ours, jnp.asarray(ids)).logits)
     b = np.asarray(forward(no_window, jnp.asarray(ids)).logits)
-    np.testing.assert_allclose(a[:, :window], b[:, :window], rtol=1e-6, atol=1e-6)
+    # two compiled programs: equal up to float32 rounding (seen: 1e-6 on 1 logit)
+    np.testing.assert_allclose(a[:, :window], b[:, :window], rtol=1e-5, atol=1e-5)
     assert np.abs(a - b)[:, window:].max() > 1e-3
 
 
