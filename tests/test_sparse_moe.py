@@ -94,7 +94,7 @@ def test_few_tokens_path_runs_every_branch(gemv_rows):
     default) counts 1-4 run one GEMV per token and 5 all rows; with 0 (elsewhere)
     every selected expert runs all rows."""
     counts = [0, 1, 2, 3, 4, 5]
-    assert sum(counts) <= sparse_moe.MAX_TOKENS
+    assert sum(counts) <= sparse_moe.GEMV_MAX_TOKENS  # else no GEMVs at all
     x, router = routed_exactly(counts)
     pl = run_and_compare(MoEConfig(num_experts=E, top_k=1, d_model=D, d_ff=F), x,
                          router_de=router, gemv_rows=gemv_rows)
