@@ -202,7 +202,10 @@ def _selected_moe(x, routing, weights, experts: ExpertWeights, activation: str,
             out = _expert_mlp(x, gate_ups[e], downs[e], activation)
             return y + out.astype(jnp.float32) * combine[:, e:e + 1]
 
-        y = jax.lax.cond(counts[e] <= gemv_rows, one_row_at_a_time, all_rows, y)
+        if gemv_rows == T:  # every count fits: no all-rows branch to build
+            y = one_row_at_a_time(y)
+        else:
+            y = jax.lax.cond(counts[e] <= gemv_rows, one_row_at_a_time, all_rows, y)
     return y
 
 
