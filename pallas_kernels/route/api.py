@@ -16,14 +16,17 @@ import jax
 import jax.numpy as jnp
 
 from aristax.pallas_kernels import frontdoor
-from aristax.pallas_kernels.route import reference, triton
+from aristax.pallas_kernels.route import mosaic_gpu, reference, triton
 from aristax.pallas_kernels.route.reference import SCORES, RouteOutput
 from aristax.pallas_kernels.tiling import vary_alike
 
 BACKENDS: dict[str, Callable[..., RouteOutput]] = {
+    "mosaic_gpu": mosaic_gpu.route,
     "triton": triton.route,
     "reference": reference.route,
 }
+# As for permute: the Mosaic GPU router is named explicitly until a GPU has timed it
+# against the Triton one.
 DEFAULT_ORDER: dict[str, tuple[str, ...]] = {"gpu": ("triton", "reference")}
 
 
@@ -127,8 +130,9 @@ def route(
       bias: float[E] aux-loss-free bias; changes the selection, never the weights,
         and gets a zero gradient.
       normalize: renormalise the K weights of each token to sum to 1.
-      implementation: backend name or ordered list ("triton", "reference"); None =
-        the platform default ("triton" then "reference" on GPU, "reference" elsewhere).
+      implementation: backend name or ordered list ("mosaic_gpu", "triton",
+        "reference"); None = the platform default ("triton" then "reference" on
+        GPU, "reference" elsewhere).
       interpret: Pallas interpret mode; None = iff the default backend is the CPU.
     Returns:
       ``RouteOutput(logits[T,E], expert_ids int32[T,K], weights[T,K], counts

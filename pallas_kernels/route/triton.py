@@ -203,7 +203,7 @@ def _order_kernel(ids_ref, rank_ref, base_ref, nf_ref, order_ref, *, tiles: Rout
         plgpu.store(order_ref.at[jnp.where(rmask, pos, T * K)], rows * K + k, mask=rmask)
 
 
-def _block_bases(hist: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+def block_bases(hist: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
     """counts int32[E] and base int32[NB, Ep]: first row of each (block, expert).
 
     base[b, e] = sum_{e' < e} counts[e'] + sum_{b' < b} hist[b', e] (exclusive
@@ -215,7 +215,7 @@ def _block_bases(hist: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Arra
     return counts[:num_experts], base
 
 
-def _nonfinite_rows(logits: jax.Array, num_routed: jax.Array, top_k: int) -> jax.Array:
+def nonfinite_rows(logits: jax.Array, num_routed: jax.Array, top_k: int) -> jax.Array:
     """int32[T]: first row of each non-finite token's K slots (after all routed rows),
     -1 for finite tokens."""
     nonfinite = ~jnp.all(jnp.isfinite(logits), axis=-1)
@@ -289,7 +289,7 @@ def route(
     logits, ids, weights, rank, hist = _router_call(
         x, w_router, bias, top_k=top_k, score=score, normalize=normalize,
         interpret=interpret, tiles=tiles)
-    counts, base = _block_bases(hist, E)
-    nf_rows = _nonfinite_rows(logits, jnp.sum(counts), top_k)
+    counts, base = block_bases(hist, E)
+    nf_rows = nonfinite_rows(logits, jnp.sum(counts), top_k)
     sort_order = _order_call(ids, rank, base, nf_rows, interpret=interpret, tiles=tiles)
     return RouteOutput(logits, ids, weights, counts, sort_order)

@@ -37,8 +37,7 @@ def _permute_combine(impl, x, w, order, sizes, gate, up, down):
 
 
 def _route(impl, x, w, order, sizes, gate, up, down):
-    return route(x.astype(jnp.float32), up[:, :, 0].T.astype(jnp.float32), top_k=K,
-                 implementation=impl, interpret=False).weights
+    return route(x, up[:, :, 0].T, top_k=K, implementation=impl, interpret=False).weights
 
 
 def _moe_mlp(impl, x, w, order, sizes, gate, up, down):
@@ -53,6 +52,7 @@ CASES = {  # id: (op, implementation, kernels the exported gradient must contain
                                ("permute_gather", "combine_gather_sum")),
     "permute_combine-mosaic_gpu": (_permute_combine, "mosaic_gpu", ("mosaic_gpu",)),
     "route-triton": (_route, "triton", ("route_topk",)),
+    "route-mosaic_gpu": (_route, "mosaic_gpu", ("mosaic_gpu",)),
     "moe_mlp-triton": (_moe_mlp, "triton", ("moe_mlp_gate_up", "ragged_dot_tgmm")),
     "moe_mlp-mosaic_gpu": (_moe_mlp, "mosaic_gpu", ("mosaic_gpu",)),
 }
