@@ -9,8 +9,12 @@ For each shape and load (uniform, or Zipf-skewed group sizes) it times, in one r
   * a dense ``jnp.dot`` of the same FLOPs (the hardware ceiling, measured in the same
     run);
   * ``torch._grouped_mm`` on the same GPU, when torch with CUDA is installed;
-  * the full ``aristax.moe`` layer, forward+backward, per backend.
-Every row prints TFLOP/s and its ratios: to the dense matmul and to ``lax.ragged_dot``.
+  * the full ``aristax.moe`` layer, forward+backward, per backend;
+  * ``aristax.pallas_kernels.route`` (router GEMM, softmax, top-k, weights, counts
+    and the expert order) per backend, against the router GEMM alone (``jnp.dot``,
+    the part every router must do) and the reference (XLA).
+Every row prints TFLOP/s and its ratios: to the dense matmul and to ``lax.ragged_dot``
+(route rows: to the router GEMM and to the reference router).
 Targets on H100/H200 (issue 6): grouped GEMM >= 0.85 of dense, MoE layer fwd+bwd
 >= 0.70, >= 1.5x ``lax.ragged_dot``. On a machine without a GPU the JSON says
 ``"gpu": "unmeasured"`` and the CPU shapes are scaled down.
@@ -33,8 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from aristax import MoEConfig, MoEParams, moe
-from aristax.pallas_kernels import ragged_dot
+from aristax.pallas_kernels import ragged_dot, route
 from aristax.pallas_kernels.ragged_dot import api as ragged_dot_api
+from aristax.pallas_kernels.route import api as route_api
 
 # (E, D, F, K): Mixtral 8x7B and a fine-grained (DeepSeek/Qwen-style) layer.
 GPU_SHAPES = {"mixtral": (8, 4096, 14336, 2), "fine": (128, 2048, 768, 8)}
@@ -72,11 +77,11 @@ def median_seconds(fn, *args, repeats: int) -> float:
     return float(np.median(times))
 
 
-def available_backends() -> list[str]:
+def available_backends(registry=ragged_dot_api.BACKENDS) -> list[str]:
     """Backends worth timing here: every registered one on GPU, the reference on CPU."""
     if jax.default_backend() == "cpu":
         return ["reference"]
-    return [n for n in ragged_dot_api.BACKENDS if n != "reference"] + ["reference"]
+    return [n for n in registry if n != "reference"] + ["reference"]
 
 
 def grouped_gemm_rows(E, D, F, K, tokens, load, dtype, repeats) -> list[dict]:
@@ -193,6 +198,25 @@ def moe_layer_rows(E, D, F, K, tokens, dtype, repeats) -> list[dict]:
     return out
 
 
+def route_rows(E, D, K, tokens, dtype, repeats) -> list[dict]:
+    """route (softmax, top-K, normalised weights) per backend vs the router GEMM alone."""
+    kx, kw = jax.random.split(jax.random.key(2))
+    x = jax.random.normal(kx, (tokens, D), dtype)
+    w = (jax.random.normal(kw, (D, E), jnp.float32) * D ** -0.5).astype(dtype)
+    flops = 2.0 * tokens * D * E
+    gemm_s = median_seconds(jax.jit(lambda x, w: jnp.dot(
+        x, w, preferred_element_type=jnp.float32)), x, w, repeats=repeats)
+    seconds = {}
+    for name in available_backends(route_api.BACKENDS):
+        fn = jax.jit(lambda x, w, n=name: route(x, w, top_k=K, normalize=True,
+                                                implementation=n, interpret=False))
+        seconds[name] = median_seconds(fn, x, w, repeats=repeats)
+    return [{"op": "route", "impl": name, "pass": "fwd", "E": E, "D": D, "K": K,
+             "tokens": tokens, "load": "router", "dtype": jnp.dtype(dtype).name,
+             "seconds": s, "tflops": flops / s / 1e12, "vs_dense": gemm_s / s,
+             "vs_reference": seconds["reference"] / s} for name, s in seconds.items()]
+
+
 def main() -> None:
     on_gpu = jax.default_backend() == "gpu"
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -212,10 +236,13 @@ def main() -> None:
             for load in args.loads.split(","):
                 rows += grouped_gemm_rows(E, D, F, K, tokens, load, dtype, args.repeats)
             rows += moe_layer_rows(E, D, F, K, tokens, dtype, args.repeats)
+            rows += route_rows(E, D, K, tokens, dtype, args.repeats)
     for r in rows:
+        peer = (f"x{r['vs_reference']:.2f} of the reference" if r["op"] == "route" else
+                f"x{r['vs_lax_ragged_dot']:.2f} of lax.ragged_dot")
         print(f"{r['op']:10s} {r['impl']:18s} {r['pass']:7s} E{r['E']:<4d} T{r['tokens']:<6d} "
               f"{r['load']:7s} {r['tflops']:8.3f} TFLOP/s  x{r['vs_dense']:.2f} of dense  "
-              f"x{r['vs_lax_ragged_dot']:.2f} of lax.ragged_dot")
+              + peer)
     result = {"machine": machine_info(), "shapes": {k: table[k] for k in args.shapes.split(",")},
               "gpu": "measured" if on_gpu else "unmeasured (no GPU on this machine; CPU "
               "shapes scaled down; Pallas backends not timed in interpret mode)",
