@@ -155,7 +155,8 @@ def test_matches_reference_and_gradients(backend, name):
 @pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_hard_cases(backend):
-    """Ties, one expert for everyone, empty experts, a NaN token (shapes of case 1).
+    """Ties, one expert for everyone, empty experts, a NaN token (8 experts, top-2;
+    the shapes of ``HARD_CASE`` or of case "softmax_norm").
 
     Integer inputs: every logit is exact (in bfloat16 too), so equal columns give
     exact ties."""
