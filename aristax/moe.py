@@ -17,6 +17,8 @@ from aristax.experts import dense_mlp, expert_mlp
 from aristax.pallas_kernels import frontdoor
 from aristax.pallas_kernels.moe_mlp import fused_backend, moe_mlp
 from aristax.pallas_kernels.permute import api as permute_api
+from aristax.pallas_kernels.permute.reference import inverse_order
+from aristax.pallas_kernels.route import api as route_api
 
 
 @flax.struct.dataclass
@@ -96,9 +98,14 @@ def moe(
     router_in = x
     if jitter_rng is not None and config.router_jitter > 0:
         router_in = routing_lib.apply_jitter(x, config.router_jitter, jitter_rng)
-    logits = router_logits(router_in, params.router_de)
-    routing = routing_lib.route(logits, config.router_config, bias=bias)
-    dispatch = make_dispatch(routing, config)
+    fused = fused_routing(router_in, params.router_de, config, bias)
+    if fused is None:
+        routing = routing_lib.route(router_logits(router_in, params.router_de),
+                                    config.router_config, bias=bias)
+        dispatch = make_dispatch(routing, config)
+    else:
+        routing, dispatch = fused
+    logits = routing.logits
 
     dtype = jnp.dtype(config.dtype) if config.dtype is not None else x.dtype
     xc = x.astype(dtype)
@@ -108,6 +115,52 @@ def moe(
         y = y + dense_mlp(xc, params.shared_gate_df, params.shared_up_df,
                           params.shared_down_fd, activation=config.activation)
     return y.astype(dtype), moe_aux(routing, logits, dispatch.num_dropped, config, seq_len)
+
+
+# router -> (score of the route kernel, whether it renormalises the K weights; None:
+# the config's normalize_weights). topk_softmax's softmax over the K picked logits is
+# the picked softmax scores renormalised.
+KERNEL_ROUTERS = {"softmax_topk": ("softmax", None), "topk_softmax": ("softmax", True),
+                  "sigmoid": ("sigmoid", None)}
+
+
+def fused_routing(
+    router_in: jax.Array, router_de: jax.Array, config: MoEConfig,
+    bias: jax.Array | None,
+) -> tuple[routing_lib.Routing, dispatch_lib.Dispatch] | None:
+    """``Routing`` and dropless ``Dispatch`` from the fused ``pallas_kernels.route`` op
+    on the backends ``config.implementation`` names (the reference where none
+    serves), or None when the plain path must run: no kernel named, a capacity or
+    expert-choice layout, or group-limited routing, which the kernel does not do.
+
+    router_in: [T, D] router input; router_de: [D, E]; bias: float32[E] or None.
+    Equal to ``routing_lib.route`` + ``dropless_dispatch`` (the kernel's contract).
+    """
+    rc = config.router_config
+    names = (None if config.implementation is None else
+             frontdoor.with_reference(config.implementation, route_api.BACKENDS))
+    if (names in (None, ["reference"]) or rc.router not in KERNEL_ROUTERS
+            or rc.num_groups > 1 or not is_dropless(config, router_in.shape[0])):
+        return None
+    score, normalize = KERNEL_ROUTERS[rc.router]
+    out = route_api.route(router_in, router_de, top_k=rc.top_k, score=score, bias=bias,
+                          normalize=rc.normalize_weights if normalize is None else normalize,
+                          implementation=names)
+    T, K = out.expert_ids.shape
+    finite = routing_lib.finite_rows(out.logits)[:, None]
+    _, probs = routing_lib.token_scores(jnp.where(finite, out.logits, 0.0), rc.router)
+    routing = routing_lib.Routing(
+        expert_ids=out.expert_ids, weights=out.weights * rc.routed_scaling_factor,
+        mask=jnp.broadcast_to(finite, (T, K)), probs=jnp.where(finite, probs, 0.0),
+        logits=out.logits)
+    num_routed = jnp.sum(out.counts, dtype=jnp.int32)
+    dispatch = dispatch_lib.Dispatch(
+        row_token=out.sort_order // K,
+        row_valid=jnp.arange(T * K, dtype=jnp.int32) < num_routed,
+        slot=inverse_order(out.sort_order).reshape(T, K), kept=routing.mask,
+        group_sizes=out.counts, num_routed=num_routed,
+        num_dropped=jnp.zeros((), jnp.int32))
+    return routing, dispatch
 
 
 def routed_experts(

@@ -81,16 +81,28 @@ def _limit_to_top_groups(select: jax.Array, num_groups: int, topk_groups: int) -
     return jnp.where(keep, select, -jnp.inf)
 
 
+def finite_rows(logits: jax.Array) -> jax.Array:
+    """bool[T]: every logit of the token is finite (the others are routed nowhere)."""
+    return jnp.all(jnp.isfinite(logits), axis=-1)
+
+
+def token_scores(logits: jax.Array, router: str) -> tuple[jax.Array, jax.Array]:
+    """(scores, probs) [T, E] of finite logits for a token-choice router: the
+    selection scores (sigmoid, or softmax over E) and the probs the balancing losses
+    use (the sigmoid scores normalised over E, or the softmax)."""
+    if router == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+        return scores, scores / jnp.sum(scores, axis=-1, keepdims=True)
+    scores = jax.nn.softmax(logits, axis=-1)
+    return scores, scores
+
+
 def _token_choice(
     logits: jax.Array, cfg: RouterConfig, bias: jax.Array | None
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Returns (ids[T,K], weights[T,K], probs[T,E]) for the token-choice routers."""
     K = cfg.top_k
-    if cfg.router == "sigmoid":
-        scores = jax.nn.sigmoid(logits)
-        probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
-    else:
-        scores = probs = jax.nn.softmax(logits, axis=-1)
+    scores, probs = token_scores(logits, cfg.router)
     # topk_softmax ranks the logits; ranking softmax scores is the same order.
     select = scores if bias is None else scores + bias.astype(scores.dtype)
     if cfg.num_groups > 1:
@@ -146,7 +158,7 @@ def route(
       slot, weight 0 and probs 0, so they go nowhere and cannot disturb the others.
     """
     logits = logits.astype(accumulation_dtype(logits.dtype))
-    finite = jnp.all(jnp.isfinite(logits), axis=-1)  # [T]
+    finite = finite_rows(logits)  # [T]
     safe = jnp.where(finite[:, None], logits, 0.0)
     if cfg.router == "expert_choice":
         ids, weights, mask, probs = _expert_choice(safe, cfg, finite)

@@ -36,6 +36,7 @@ def kernel_calls(monkeypatch):
     from aristax.pallas_kernels.moe_mlp import api as moe_mlp_api
     from aristax.pallas_kernels.permute import api as permute_api
     from aristax.pallas_kernels.ragged_dot import api as ragged_dot_api
+    from aristax.pallas_kernels.route import api as route_api
 
     calls = collections.defaultdict(list)
 
@@ -47,7 +48,8 @@ def kernel_calls(monkeypatch):
 
         return call
 
-    for registry, op in ((permute_api.PERMUTE, "permute"), (permute_api.COMBINE, "combine")):
+    for registry, op in ((permute_api.PERMUTE, "permute"), (permute_api.COMBINE, "combine"),
+                         (route_api.BACKENDS, "route")):
         for name, fn in list(registry.items()):
             monkeypatch.setitem(registry, name, recording(name, op, fn))
     for name, module in ragged_dot_api.BACKENDS.items():

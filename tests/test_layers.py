@@ -117,10 +117,12 @@ def test_num_chunks_in_the_module_equals_unchunked_with_drops():
 # only traced (which kernels it calls): its numbers are the fused op's, which
 # tests/pallas_kernels/test_moe_mlp.py checks on every hard routing, and an
 # interpreted layer costs ~30 s.
-KERNEL_LAYERS = [("triton", "float32", 64, {"moe_mlp"}),
-                 ("mosaic_gpu", "bfloat16", 192, {"permute", "ragged_dot"})]
+# Every layer routes with the fused route kernel (Mosaic GPU's needs bfloat16 router
+# weights: the layers on it keep their parameters in bfloat16).
+KERNEL_LAYERS = [("triton", "float32", 64, {"moe_mlp", "route"}),
+                 ("mosaic_gpu", "bfloat16", 192, {"permute", "ragged_dot", "route"})]
 TRACED_KERNEL_LAYERS = [("mosaic_gpu", "bfloat16", 128, {"moe_mlp", "permute",
-                                                         "ragged_dot"})]
+                                                         "ragged_dot", "route"})]
 
 
 def _layer_loss(x):
@@ -133,7 +135,7 @@ def _layer_loss(x):
 def _layer_config(implementation, dtype, d_model):
     return MoEConfig(num_experts=4, top_k=2, d_model=d_model, d_ff=64,
                      normalize_weights=True, num_shared_experts=1, dtype=dtype,
-                     implementation=implementation)
+                     param_dtype=dtype, implementation=implementation)
 
 
 def _assert_ran(kernel_calls, implementation, kernels):
@@ -147,7 +149,7 @@ def test_moe_module_runs_on_each_kernel_implementation(implementation, dtype, d_
     """The NNX layer with ``MoEConfig(implementation=...)`` (Pallas kernels, interpret mode
     on CPU) gives the reference layer's output, aux loss and parameter gradients, and
     runs the kernels it should (the fused ``moe_mlp`` where it serves)."""
-    x = jax.random.normal(jax.random.key(3), (2, 8, d_model))
+    x = jax.random.normal(jax.random.key(3), (2, 8, d_model), dtype)
     results = {}
     for impl in ("reference", implementation):
         module = MoE(_layer_config(impl, dtype, d_model), rngs=nnx.Rngs(0))
@@ -170,7 +172,7 @@ def test_moe_module_traces_onto_the_fused_kernel(implementation, dtype, d_model,
                                                  kernel_calls):
     """The layer's value and gradients, traced (not run), call the kernels they should:
     the fused moe_mlp forward, its backward's permute and grouped GEMMs."""
-    x = jax.random.normal(jax.random.key(3), (2, 8, d_model))
+    x = jax.random.normal(jax.random.key(3), (2, 8, d_model), dtype)
     module = MoE(_layer_config(implementation, dtype, d_model), rngs=nnx.Rngs(0))
     (_, (y, _)), _ = nnx.eval_shape(nnx.value_and_grad(_layer_loss(x), has_aux=True), module)
     assert y.shape == x.shape

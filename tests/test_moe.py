@@ -212,3 +212,49 @@ def test_kernel_names_keep_order_and_end_in_reference(implementation, names):
     from aristax.pallas_kernels.permute import api as permute_api
 
     assert with_reference(implementation, permute_api.PERMUTE) == names
+
+
+@pytest.mark.parametrize("case", ["mixtral", "switch_top1", "topk_softmax", "sigmoid"])
+def test_fused_routing_equals_router_and_dropless_dispatch(case):
+    """``moe.fused_routing`` (the Triton route kernel, interpreted on CPU) gives the
+    plain path's Routing and Dispatch: a NaN token, a selection bias, a scaling factor."""
+    from aristax import dispatch as dispatch_lib
+    from aristax import routing as routing_lib
+    from aristax.moe import fused_routing, router_logits
+
+    kw = dict(ROUTER_CASES.get(case, {}))
+    if case == "sigmoid":
+        kw = dict(router="sigmoid", normalize_weights=True, routed_scaling_factor=2.5)
+    cfg = MoEConfig(num_experts=6, top_k=kw.pop("top_k", 2), d_model=16, d_ff=8,
+                    implementation="triton", **kw)
+    T, E = 21, cfg.num_experts
+    x = jax.random.normal(jax.random.key(0), (T, cfg.d_model)).at[5, 3].set(jnp.nan)
+    w = jax.random.normal(jax.random.key(1), (cfg.d_model, E))
+    bias = jax.random.normal(jax.random.key(2), (E,)) * 0.1
+
+    @jax.jit
+    def both(x, w, bias):
+        plain = routing_lib.route(router_logits(x, w), cfg.router_config, bias=bias)
+        return fused_routing(x, w, cfg, bias), (plain, dispatch_lib.dropless_dispatch(plain))
+
+    (routing, dispatch), (routing_ref, dispatch_ref) = both(x, w, bias)
+    assert int(dispatch.num_routed) == cfg.top_k * (T - 1)  # the NaN token goes nowhere
+    for got, want in ((routing, routing_ref), (dispatch, dispatch_ref)):
+        for name, a in vars(got).items():
+            b = getattr(want, name)
+            if jnp.issubdtype(a.dtype, jnp.floating):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)
+            else:
+                np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+def test_fused_routing_leaves_what_the_kernel_does_not_do_to_the_plain_path():
+    from aristax.moe import fused_routing
+
+    x, w = jnp.ones((8, 16)), jnp.ones((16, 8))
+    base = MoEConfig(num_experts=8, top_k=2, d_model=16, d_ff=8, implementation="triton")
+    for cfg in (base.replace(implementation=None), base.replace(implementation="reference"),
+                base.replace(capacity_factor=1.0), base.replace(router="expert_choice"),
+                base.replace(router="sigmoid", num_groups=4, topk_groups=2)):
+        assert fused_routing(x, w, cfg, None) is None, cfg
+    assert fused_routing(x, w, base, None) is not None
