@@ -105,7 +105,6 @@ def moe(
         dispatch = make_dispatch(routing, config)
     else:
         routing, dispatch = fused
-    logits = routing.logits
 
     dtype = jnp.dtype(config.dtype) if config.dtype is not None else x.dtype
     xc = x.astype(dtype)
@@ -114,7 +113,8 @@ def moe(
     if params.shared_up_df is not None:
         y = y + dense_mlp(xc, params.shared_gate_df, params.shared_up_df,
                           params.shared_down_fd, activation=config.activation)
-    return y.astype(dtype), moe_aux(routing, logits, dispatch.num_dropped, config, seq_len)
+    return y.astype(dtype), moe_aux(routing, routing.logits, dispatch.num_dropped, config,
+                                    seq_len)
 
 
 # router -> (score of the route kernel, whether it renormalises the K weights; None:
