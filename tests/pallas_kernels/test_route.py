@@ -37,9 +37,17 @@ MOSAIC_CASES = {
     "sigmoid_norm_k1": (72, 192, 130, 1, "sigmoid", True),
 }
 HARD_CASE = {"mosaic_gpu": (40, 64, 8, 2, "softmax", True)}  # else CASES["softmax_norm"]
-DTYPE = {"mosaic_gpu": jnp.bfloat16}  # else float32
-BACKEND_CASES = [(b, n) for b in BACKENDS
-                 for n in sorted(MOSAIC_CASES if b == "mosaic_gpu" else CASES)]
+
+
+def cases_for(backend: str) -> dict:
+    return MOSAIC_CASES if backend == "mosaic_gpu" else CASES
+
+
+def dtype_for(backend: str):
+    return jnp.bfloat16 if backend == "mosaic_gpu" else jnp.float32
+
+
+BACKEND_CASES = [(b, n) for b in BACKENDS for n in sorted(cases_for(b))]
 TRITON_CUDA = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
 
 
@@ -144,9 +152,9 @@ def _check_case(backend, case, x, w, bias, grads=True):
 
 @pytest.mark.parametrize("backend, name", BACKEND_CASES)
 def test_matches_reference_and_gradients(backend, name):
-    case = (MOSAIC_CASES if backend == "mosaic_gpu" else CASES)[name]
+    case = cases_for(backend)[name]
     T, D, E = case[:3]
-    x, w, bias = _inputs(T, D, E, seed=len(name), dtype=DTYPE.get(backend, jnp.float32))
+    x, w, bias = _inputs(T, D, E, seed=len(name), dtype=dtype_for(backend))
     _check_case(backend, case, x, w, bias)
 
 
@@ -162,7 +170,7 @@ def test_hard_cases(backend):
     exact ties."""
     case = HARD_CASE.get(backend, CASES["softmax_norm"])
     T, D, E, K = case[:4]
-    dtype = DTYPE.get(backend, jnp.float32)
+    dtype = dtype_for(backend)
     rng = np.random.default_rng(0)
     x = rng.integers(-2, 3, (T, D)).astype(np.float32)
     w = rng.integers(-1, 2, (D, E)).astype(np.float32)
@@ -259,9 +267,8 @@ def test_reference_gradient_matches_finite_differences():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bias_changes_selection_not_weights(backend):
-    T, D, E, K, score, normalize = (MOSAIC_CASES if backend == "mosaic_gpu" else
-                                    CASES)["sigmoid_k_eq_e"]
-    x, w, _ = _inputs(T, D, E, dtype=DTYPE.get(backend, jnp.float32))
+    T, D, E, K, score, normalize = cases_for(backend)["sigmoid_k_eq_e"]
+    x, w, _ = _inputs(T, D, E, dtype=dtype_for(backend))
     bias = jnp.asarray(np.array([0.0, 0.0, 0.0, 10.0], np.float32))
     out = _run(backend, K, score, normalize)(x, w, bias, *_cotangents(T, E, K))[0]
     np.testing.assert_array_equal(out.expert_ids[:, 0], 3)
