@@ -1,7 +1,7 @@
 """aristax.models.sparse_moe (the decode/prefill MoE of Mixtral.decode_weights) against
 the per-token reference in tests/moe_reference.py, on both of its paths: each selected
-expert once, on all rows or one GEMV per token (T <= MAX_TOKENS), and rows grouped by
-expert in chunks (larger T)."""
+expert once on all rows (T <= MAX_TOKENS), and rows grouped by expert in chunks (larger
+T); and its ``matmul_out_in`` against NumPy on each of its forms."""
 
 from __future__ import annotations
 
@@ -19,17 +19,16 @@ SMALL, LARGE = 7, 150  # the two paths: T <= MAX_TOKENS < T
 D, F, E = 16, 24, 6
 
 
-def run_and_compare(cfg: MoEConfig, x, router_de=None, bias=None, seed=0, gemv_rows=None):
+def run_and_compare(cfg: MoEConfig, x, router_de=None, bias=None, seed=0):
     module = MoE(cfg, rngs=nnx.Rngs(seed))
     if router_de is None:
         router_de = jax.random.normal(jax.random.key(seed + 1), (D, cfg.num_experts)) * 0.5
     module.router.weight_de[...] = router_de
     p = {"router_de": router_de, "gate_edf": module.experts.gate_edf[...],
          "up_edf": module.experts.up_edf[...], "down_efd": module.experts.down_efd[...]}
-    y, logits = jax.jit(sparse_moe.sparse_moe, static_argnums=(3, 4),
-                        static_argnames="gemv_rows")(
+    y, logits = jax.jit(sparse_moe.sparse_moe, static_argnums=(3, 4))(
         x, router_de, sparse_moe.expert_weights(module.experts), cfg.router_config,
-        cfg.activation, bias=bias, gemv_rows=gemv_rows)
+        cfg.activation, bias=bias)
     pl = ref.plan(x, router_de, cfg, bias=None if bias is None else np.asarray(bias))
     np.testing.assert_allclose(np.asarray(y), ref.forward(x, p, cfg, pl), rtol=2e-5,
                                atol=2e-5)
@@ -88,17 +87,35 @@ def test_grouped_path_runs_every_tail_size():
     np.testing.assert_array_equal(pl["load"], counts)
 
 
-@pytest.mark.parametrize("gemv_rows", [0, 4])
-def test_few_tokens_path_runs_every_branch(gemv_rows):
-    """Exact per-expert counts 0..5 on the few-tokens path: with gemv_rows=4 (the CPU
-    default) counts 1-4 run one GEMV per token and 5 all rows; with 0 (elsewhere)
-    every selected expert runs all rows."""
+def test_few_tokens_path_with_empty_and_uneven_experts():
+    """Exact per-expert counts 0..5 on the few-tokens path: the empty expert is skipped,
+    each other one runs once on all rows."""
     counts = [0, 1, 2, 3, 4, 5]
-    assert sum(counts) <= sparse_moe.GEMV_MAX_TOKENS  # else no GEMVs at all
+    assert sum(counts) <= sparse_moe.MAX_TOKENS
     x, router = routed_exactly(counts)
     pl = run_and_compare(MoEConfig(num_experts=E, top_k=1, d_model=D, d_ff=F), x,
-                         router_de=router, gemv_rows=gemv_rows)
+                         router_de=router)
     np.testing.assert_array_equal(pl["load"], counts)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, sparse_moe.CPU_MULTIPLY_SUM_ROWS,
+                                  sparse_moe.CPU_MULTIPLY_SUM_ROWS + 1])
+@pytest.mark.parametrize("dtype,acc_dtype", [("float32", None), ("bfloat16", "float32"),
+                                             ("bfloat16", None)])
+def test_matmul_out_in_each_form(rows, dtype, acc_dtype):
+    """One row (the GEMV), 2..CPU_MULTIPLY_SUM_ROWS rows (on the CPU, a multiply
+    summed over ``in``) and beyond (a dot), with two leading dims, odd sizes and a
+    weight held in float32 for bf16 inputs: all equal x @ w.T in float64 NumPy, in
+    the accumulation dtype asked for."""
+    kx, kw = jax.random.split(jax.random.key(rows))
+    x = jax.random.normal(kx, (rows, 1, 37)).astype(dtype)
+    w = jax.random.normal(kw, (19, 37))
+    y = jax.jit(sparse_moe.matmul_out_in, static_argnums=2)(x, w, acc_dtype)
+    assert y.shape == (rows, 1, 19) and y.dtype == jnp.dtype(acc_dtype or dtype)
+    w_used = np.asarray(w.astype(dtype), np.float64)  # the weight in x's dtype
+    expected = np.asarray(x, np.float64) @ w_used.T
+    tol = 1e-5 if y.dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(y, np.float64), expected, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("T", [SMALL, LARGE])

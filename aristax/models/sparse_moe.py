@@ -4,17 +4,19 @@ Decoding one token touches K of the E experts, so its cost should not grow with 
 The general path (``aristax.moe.moe``) groups rows with grouped GEMMs over the stacked
 [E, D, F] weights; for a handful of tokens that reads (or, on XLA:CPU, copies) every
 expert. Here, up to ``MAX_TOKENS`` tokens, each expert that some token selected runs
-once (``_selected_moe``): on all T rows, or on the CPU, when at most ``CPU_GEMV_ROWS``
-tokens selected it, as one GEMV per token; an unselected expert costs a predicate, a
+once, on all T rows (``_selected_moe``); an unselected expert costs a predicate, a
 selected one one read of its weights. Beyond, rows are grouped by expert and each
 expert's rows run ``chunk`` at a time, its last few in one smaller GEMM
 (``_grouped_moe``; the CPU prefill).
 
 The weights are per-expert [out, in] copies (HF's layout) made once outside ``jit``
-(``Mixtral.decode_weights``), gate and up concatenated into one matrix:
-* for a few rows XLA:CPU streams a weight held [out, in] as ``w @ x.T`` at up to
-  twice the rate of ``x @ w`` over [in, out] (a [4096, 1024] float32 GEMV: 24 vs 9.5
-  GB/s on 2 cores); one gate|up GEMV streams about 5% faster than two;
+(``Mixtral.decode_weights``), gate and up concatenated into one matrix, and every
+product goes through ``matmul_out_in``:
+* for one row XLA:CPU streams a weight held [out, in] as ``w @ x.T`` at up to twice
+  the rate of ``x @ w`` over [in, out] (a [4096, 1024] float32 GEMV: 24 vs 9.5 GB/s on
+  2 cores); one gate|up GEMV streams about 5% faster than two;
+* for 2 to ``CPU_MULTIPLY_SUM_ROWS`` rows XLA:CPU's dot is slow, and the product is
+  written as a multiply summed over ``in`` instead (see ``matmul_out_in``);
 * slicing the stacked [E, D, F] parameters inside ``jit`` instead copies each slice
   before its dot (on 2 cores it cost 150-200 ms per layer at T = 8 to 512).
 For long inputs the [out, in] GEMMs run about 10% below [in, out] ones (T=512), a
@@ -44,14 +46,20 @@ from aristax.pallas_kernels.permute import reference as permute_ref
 # ``DecodeWeights`` uses them only up to this many tokens.
 MAX_TOKENS = 64
 
-# On XLA:CPU a GEMM of 2 to 16 rows costs about as much as four one-row GEMVs (2 cores,
-# [8192, 1024] float32: a GEMV 1.2-1.5 ms, 2 rows 3-6 ms, 8 rows 4-5 ms; XLA has a fast
-# GEMV, its small-M GEMM streams the weights at a fraction of the rate), so an expert
-# that at most this many tokens selected runs one GEMV per token (``_selected_moe``),
-# in inputs of up to GEMV_MAX_TOKENS tokens: beyond, the GEMVs save little (one expert
-# MLP on 16 rows: 9.7 ms, on 4 rows as GEMVs: about 8 ms) and each costs compile time.
-CPU_GEMV_ROWS = 4
-GEMV_MAX_TOKENS = 16
+# On XLA:CPU, ``jnp.dot`` of 2 to 64 rows streams the weights at a fraction of the rate
+# of its one-row GEMV; ``w[None] * x[:, None, :]`` summed over ``in`` fuses into one
+# loop that reads the weights once for all rows (in this operand order: ``x * w`` runs
+# 3x slower). 2 cores, float32, no XLA flags, min of 20, ms:
+#   rows                         2     8     16    32    64
+#   [8192, 1024]  dot          2.3   2.6   4.7   6.2   9.8
+#                 multiply-sum 1.6   1.7   2.4   4.2   8.3
+#                 torch        0.9   2.7   4.3   5.9   9.4
+#   [1024, 4096]  dot          2.9   2.4   3.5   5.2   6.7
+#                 multiply-sum 0.7   0.8   1.1   1.8   4.0
+# A one-row GEMV of [8192, 1024] takes 1.0-1.2 ms, and one row stays a dot: on one row
+# the multiply-sum took 119 ms. At batch 8 this took the 12-layer TinyMistral decode
+# step (experiments/benchmarks/decode_vs_hf.py) from 449 to 229 ms.
+CPU_MULTIPLY_SUM_ROWS = 64
 
 # (gate_ups, downs): E arrays each, [2F, D] (gate rows first) and [D, F].
 ExpertWeights = tuple[Sequence[jax.Array], Sequence[jax.Array]]
@@ -87,13 +95,19 @@ def use_decode_weights(num_tokens: int) -> bool:
 
 
 def matmul_out_in(x: jax.Array, w_out_in: jax.Array, acc_dtype=None) -> jax.Array:
-    """x[..., in] @ w_out_in[out, in].T -> [..., out], computed as w @ x.T (the GEMV
-    form XLA:CPU streams fastest); accumulated and returned in ``acc_dtype`` (default
-    x's dtype)."""
+    """x[..., in] @ w_out_in[out, in].T -> [..., out], accumulated and returned in
+    ``acc_dtype`` (default x's dtype). One row runs as the GEMV ``w @ x.T`` (the form
+    XLA:CPU streams fastest); on the CPU, 2 to ``CPU_MULTIPLY_SUM_ROWS`` rows run as a
+    multiply summed over ``in``."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    y = jnp.dot(w_out_in.astype(x.dtype), x2.T, preferred_element_type=acc_dtype or x.dtype)
-    return y.T.reshape(*lead, w_out_in.shape[0])
+    acc = acc_dtype or x.dtype
+    w = w_out_in.astype(x.dtype)
+    if 2 <= x2.shape[0] <= CPU_MULTIPLY_SUM_ROWS and jax.default_backend() == "cpu":
+        y = jnp.sum(w[None].astype(acc) * x2[:, None, :].astype(acc), axis=-1)
+    else:
+        y = jnp.dot(w, x2.T, preferred_element_type=acc).T
+    return y.reshape(*lead, w.shape[0])
 
 
 def _expert_mlp(x, gate_up_fd, down_df, activation: str) -> jax.Array:
@@ -162,57 +176,29 @@ def _grouped_moe(x, routing, weights, experts: ExpertWeights, activation: str) -
     return permute_ref.combine(out[:T * K], sort_order, weights, num_valid)
 
 
-def default_gemv_rows() -> int:
-    """``sparse_moe``'s ``gemv_rows`` when not given: ``CPU_GEMV_ROWS`` on the CPU, 0
-    elsewhere (a GPU reads an expert's weights once for a few rows at about the cost of
-    one row; a GEMV per row would read them once per row)."""
-    return CPU_GEMV_ROWS if jax.default_backend() == "cpu" else 0
-
-
-def _selected_moe(x, routing, weights, experts: ExpertWeights, activation: str,
-                  gemv_rows: int) -> jax.Array:
-    """The MoE for a few tokens: each expert that n >= 1 tokens selected runs once, as
-    n one-row GEMVs on those tokens when n <= ``gemv_rows``, else on all T rows (T*E
-    rows at most, trivial at small T); an unselected expert costs predicates. Experts
-    add into y in ascending order, as HF does. Returns y [T, D] in float32.
-
-    The GEMVs are ``gemv_rows`` ``lax.cond``s, not a loop: an XLA:CPU while loop copies
-    the weights it reads on entry (2-3 ms per expert on 2 cores, even for 0 steps).
-    """
+def _selected_moe(x, routing, weights, experts: ExpertWeights, activation: str) -> jax.Array:
+    """The MoE for a few tokens: each expert that some token selected runs once on all
+    T rows (T*E rows at most, trivial at small T); an unselected expert costs a
+    predicate. Experts add into y in ascending order, as HF does. Returns y [T, D] in
+    float32."""
     gate_ups, downs = experts
-    T, D = x.shape
     E = len(downs)
     chosen = (routing.expert_ids[..., None] == jnp.arange(E)) & routing.mask[..., None]
     combine = jnp.sum(jnp.where(chosen, weights[..., None], 0.0), axis=1)  # [T, E]
-    selected = jnp.any(chosen, axis=1)  # [T, E]
-    counts = jnp.sum(selected, axis=0)  # [E]
-    gemv_rows = min(gemv_rows, T) if T <= GEMV_MAX_TOKENS else 0
-    y = jnp.zeros((T, D), jnp.float32)
-    for e in range(E):  # each lax op below traces its functions at once: e is current
-        def one_row_at_a_time(y):
-            for i, t in enumerate(jnp.nonzero(selected[:, e], size=gemv_rows)[0]):
-                def add_row(y):
-                    row = _expert_mlp(x[t][None], gate_ups[e], downs[e], activation)[0]
-                    return y.at[t].add(row.astype(jnp.float32) * combine[t, e])
-
-                y = jax.lax.cond(i < counts[e], add_row, lambda y: y, y)
-            return y
-
-        def all_rows(y):
+    selected = jnp.any(chosen, axis=(0, 1))  # [E]
+    y = jnp.zeros(x.shape, jnp.float32)
+    for e in range(E):
+        def add_expert(y, e=e):
             out = _expert_mlp(x, gate_ups[e], downs[e], activation)
             return y + out.astype(jnp.float32) * combine[:, e:e + 1]
 
-        if gemv_rows == T:  # every count fits: no all-rows branch to build
-            y = one_row_at_a_time(y)
-        else:
-            y = jax.lax.cond(counts[e] <= gemv_rows, one_row_at_a_time, all_rows, y)
+        y = jax.lax.cond(selected[e], add_expert, lambda y: y, y)
     return y
 
 
 def sparse_moe(
     x: jax.Array, router_de: jax.Array, experts: ExpertWeights, config: RouterConfig,
     activation: str = "swiglu", *, bias: jax.Array | None = None,
-    gemv_rows: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Mixtral MoE reading only the selected experts (each selected expert once up to
     ``MAX_TOKENS`` tokens, rows grouped by expert beyond).
@@ -224,22 +210,16 @@ def sparse_moe(
       config: routing config (``MoEConfig.router_config``); token-choice routers only.
       activation: the experts' gated activation ("swiglu" or "geglu").
       bias: the router's aux-loss-free balancing bias float32[E], if any.
-      gemv_rows: up to ``GEMV_MAX_TOKENS`` tokens, an expert selected by at most this
-        many tokens runs one GEMV per token instead of a GEMM on all T rows; None =
-        ``default_gemv_rows()`` (4 on the CPU, 0 elsewhere).
     Returns:
       (y [T, D] in x's dtype, router_logits float32[T, E]).
     """
     if config.router == "expert_choice":
         raise ValueError("sparse_moe supports token-choice routers only (see supports)")
-    if gemv_rows is not None and (not isinstance(gemv_rows, int) or gemv_rows < 0):
-        raise ValueError(f"sparse_moe: gemv_rows must be an int >= 0 or None; got {gemv_rows!r}")
     logits = router_logits(x, router_de)
     routing = routing_lib.route(logits, config, bias=bias)
     weights = jnp.where(routing.mask, routing.weights, 0.0)
     if x.shape[0] > MAX_TOKENS:
         y = _grouped_moe(x, routing, weights, experts, activation)
     else:
-        y = _selected_moe(x, routing, weights, experts, activation,
-                          default_gemv_rows() if gemv_rows is None else gemv_rows)
+        y = _selected_moe(x, routing, weights, experts, activation)
     return y.astype(x.dtype), logits
