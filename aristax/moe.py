@@ -98,13 +98,9 @@ def moe(
     router_in = x
     if jitter_rng is not None and config.router_jitter > 0:
         router_in = routing_lib.apply_jitter(x, config.router_jitter, jitter_rng)
-    fused = fused_routing(router_in, params.router_de, config, bias)
-    if fused is None:
-        routing = routing_lib.route(router_logits(router_in, params.router_de),
-                                    config.router_config, bias=bias)
+    routing, dispatch = route_tokens(router_in, params.router_de, config, bias)
+    if dispatch is None:
         dispatch = make_dispatch(routing, config)
-    else:
-        routing, dispatch = fused
 
     dtype = jnp.dtype(config.dtype) if config.dtype is not None else x.dtype
     xc = x.astype(dtype)
@@ -115,6 +111,20 @@ def moe(
                           params.shared_down_fd, activation=config.activation)
     return y.astype(dtype), moe_aux(routing, routing.logits, dispatch.num_dropped, config,
                                     seq_len)
+
+
+def route_tokens(
+    router_in: jax.Array, router_de: jax.Array, config: MoEConfig,
+    bias: jax.Array | None,
+) -> tuple[routing_lib.Routing, dispatch_lib.Dispatch | None]:
+    """The layer's ``Routing`` of router_in [T, D] by router_de [D, E]: on the fused
+    route kernel when ``fused_routing`` applies, with the dropless ``Dispatch`` it
+    yields; else on the plain router, with None (the caller makes the dispatch)."""
+    fused = fused_routing(router_in, router_de, config, bias)
+    if fused is not None:
+        return fused
+    return routing_lib.route(router_logits(router_in, router_de), config.router_config,
+                             bias=bias), None
 
 
 # router -> (score of the route kernel, whether it renormalises the K weights; None:

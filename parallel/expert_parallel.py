@@ -7,11 +7,15 @@ G expert-parallel group size ("expert" axis), R groups ("data" axis), B rows per
 
 Per device, inside ``jax.shard_map`` (GShard / DeepSpeed-MoE expert parallelism):
 
-  x[Tl, D] --route (aristax.routing.route, logical ids)--> ids -> physical slots
+  x[Tl, D] --route (aristax.moe.route_tokens, logical ids)--> ids -> physical slots
     --dispatch (aristax.dispatch, local)--> rows[M, D] sorted by slot = by owner
     --exchange over "expert"--> [G*B, D] rows for my El experts from every source
     --regroup by local expert, aristax.experts.expert_mlp--> back in source order
     --exchange back--> rows[M, D] --aristax.dispatch.combine--> y[Tl, D]
+
+With ``config.implementation`` naming kernels, as in ``aristax.moe.moe``: the fused
+``route`` kernel routes (and, dropless without an expert permutation, gives the local
+dispatch), and the fused ``moe_mlp`` runs the local experts, where they serve.
 
 The expert axis may be a pair of mesh axes, e.g. ("node", "local") on a
 ("data", "node", "local") mesh: experts are sharded over both (node-major), and the
@@ -56,7 +60,7 @@ from aristax import dispatch as dispatch_lib
 from aristax import routing as routing_lib
 from aristax.config import MoEConfig
 from aristax.experts import dense_mlp, expert_mlp
-from aristax.moe import MoEParams, fused_experts, make_dispatch, router_logits
+from aristax.moe import MoEParams, fused_experts, make_dispatch, route_tokens
 from aristax.parallel import overlap
 from aristax.parallel.collectives import check_backend, default_backend, exchange
 from aristax.parallel.mesh import (EMPTY_SLOT, expert_axes_of, expert_permutation,
@@ -259,8 +263,7 @@ def _local_moe(x, router_in, params, bias, *, config, slot_of, axes, expert_axis
                num_shards, buffer_size, backend, seq_len, num_chunks=1, chunk_buffer=None,
                schedule=None, replicas=None):
     """One device's share: x[Tl, D] -> (y[Tl, D], aux). See the module docstring."""
-    routing = routing_lib.route(router_logits(router_in, params.router_de),
-                                config.router_config, bias=bias)
+    routing, fused_dispatch = route_tokens(router_in, params.router_de, config, bias)
     if replicas is not None:
         physical = replicated_routing(routing, replicas, axes, params.up_edf.shape[0] * G)
     else:
@@ -271,7 +274,8 @@ def _local_moe(x, router_in, params, bias, *, config, slot_of, axes, expert_axis
     trip = dict(params=params, G=G, expert_axis=expert_axis, backend=backend,
                 schedule=schedule)
     if num_chunks == 1 and replicas is None:
-        dispatch = make_dispatch(physical, config)
+        dispatch = (fused_dispatch if fused_dispatch is not None and slot_of is None
+                    else make_dispatch(physical, config))
         y, num_overflow = _exchange_experts(xc, dispatch, routing.weights, config=config,
                                             B=buffer_size(x.shape[0]), **trip)
     else:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from aristax.pallas_kernels import combine, moe_mlp, permute, ragged_dot, route
+from aristax.pallas_kernels import combine, frontdoor, moe_mlp, permute, ragged_dot, route
 
 CHECKS = {"triton": [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
           "mosaic_gpu": []}
@@ -84,4 +84,45 @@ def test_gradient_inside_shard_map_lowers_for_cuda(case):
     text = jax.export.export(grad, platforms=["cuda"], disabled_checks=CHECKS[backend])(
         *avals).mlir_module()
     for kernel in kernels:
+        assert kernel in text, kernel
+
+
+@pytest.mark.parametrize("expert_perm", [None, (3, 0, 2, 1, 7, 5, 6, 4)])
+def test_expert_parallel_layer_lowers_for_cuda_on_the_kernels(expert_perm, monkeypatch):
+    """``expert_parallel_moe`` with ``implementation="triton"`` on a 2x4 mesh: the
+    gradient of the whole layer lowers for CUDA with the router on the fused route
+    kernel (its dropless dispatch when no expert permutation is given, the plain
+    dispatch of the physical slots otherwise) and the local experts on the fused
+    moe_mlp. The numbers of this path equal the single-device layer's on the same
+    kernels (tests/test_layers.py), which in turn equals the reference layer. The
+    layer has no ``interpret`` argument: ``interpret=None`` resolves to compiled here,
+    as on a GPU host."""
+    from aristax import MoEConfig
+    from aristax.moe import MoEParams
+    from aristax.parallel import expert_parallel_moe
+
+    cfg = MoEConfig(num_experts=8, top_k=2, d_model=D, d_ff=F, implementation="triton")
+    mesh = jax.make_mesh((2, 4), ("data", "expert"),
+                         axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    f32 = jnp.float32
+    params = MoEParams(
+        router_de=jax.ShapeDtypeStruct((D, 8), f32),
+        up_edf=jax.ShapeDtypeStruct((8, D, F), f32),
+        gate_edf=jax.ShapeDtypeStruct((8, D, F), f32),
+        down_efd=jax.ShapeDtypeStruct((8, F, D), f32))
+    x = jax.ShapeDtypeStruct((N * T, D), f32, sharding=NamedSharding(mesh, P(("data", "expert"))))
+
+    monkeypatch.setattr(frontdoor, "resolve_interpret",
+                        lambda interpret: bool(interpret))  # None -> compiled
+
+    def loss(x, p):
+        y, aux = expert_parallel_moe(x, p, cfg, mesh, expert_perm=expert_perm,
+                                     backend="ragged")
+        return jnp.sum(y ** 2) + aux["loss"]
+
+    text = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1))), platforms=["cuda"],
+                             disabled_checks=CHECKS["triton"] + [
+                                 jax.export.DisabledSafetyCheck.custom_call("ragged_all_to_all")])(
+        x, params).mlir_module()
+    for kernel in ("route_topk", "moe_mlp_gate_up", "ragged_all_to_all"):
         assert kernel in text, kernel
