@@ -3,11 +3,11 @@
 Decoding one token touches K of the E experts, so its cost should not grow with E.
 The general path (``aristax.moe.moe``) groups rows with grouped GEMMs over the stacked
 [E, D, F] weights; for a handful of tokens that reads (or, on XLA:CPU, copies) every
-expert. Here, up to ``MAX_TOKENS`` tokens, each expert that some token selected runs
-once, on all T rows (``_selected_moe``); an unselected expert costs a predicate, a
-selected one one read of its weights. Beyond, rows are grouped by expert and each
-expert's rows run ``chunk`` at a time, its last few in one smaller GEMM
-(``_grouped_moe``; the CPU prefill).
+expert. Here, up to ``max_selected_tokens()`` tokens (64, or 8 on the CPU), each expert
+that some token selected runs once, on all T rows (``_selected_moe``); an unselected
+expert costs a predicate, a selected one one read of its weights. Beyond, rows are
+grouped by expert and each expert's rows run ``chunk`` at a time, its last few in one
+smaller GEMM (``_grouped_moe``; the CPU prefill and larger batches).
 
 The weights are per-expert [out, in] copies (HF's layout) made once outside ``jit``
 (``Mixtral.decode_weights``), gate and up concatenated into one matrix, and every
@@ -41,10 +41,17 @@ from aristax.moe import router_logits
 from aristax.pallas_kernels.moe_mlp.reference import hidden
 from aristax.pallas_kernels.permute import reference as permute_ref
 
-# Up to this many tokens every selected expert runs on all T rows (T*E rows of GEMMs,
-# trivial at small T); beyond, rows are grouped by expert. Off the CPU, a forward given
-# ``DecodeWeights`` uses them only up to this many tokens.
+# Off the CPU, up to this many tokens every selected expert runs on all T rows (T*E rows
+# of GEMMs, next to free while reading the weights dominates); beyond, rows are grouped
+# by expert. A forward given ``DecodeWeights`` uses them only up to this many tokens.
 MAX_TOKENS = 64
+
+# On the CPU the all-rows GEMMs cost compute, and rows are grouped beyond this many
+# tokens. One layer (D 1024, F 4096, E 6, K 2; 2 cores, min of 10), ms:
+#   T                        8     16    32    48    64
+#   each expert on all rows  15.4  21.4  38.2  49.6  74.6
+#   rows grouped by expert   15.5  15.0  22.6  30.9  34.6
+CPU_MAX_SELECTED_TOKENS = 8
 
 # On XLA:CPU, ``jnp.dot`` of 2 to 64 rows streams the weights at a fraction of the rate
 # of its one-row GEMV; ``w[None] * x[:, None, :]`` summed over ``in`` fuses into one
@@ -92,6 +99,12 @@ def use_decode_weights(num_tokens: int) -> bool:
     Elsewhere only up to ``MAX_TOKENS``; grouped GEMMs are the better choice beyond.
     """
     return num_tokens <= MAX_TOKENS or jax.default_backend() == "cpu"
+
+
+def max_selected_tokens() -> int:
+    """Up to how many tokens ``sparse_moe`` runs each selected expert on all rows (more
+    are grouped by expert): ``CPU_MAX_SELECTED_TOKENS`` on the CPU, else ``MAX_TOKENS``."""
+    return CPU_MAX_SELECTED_TOKENS if jax.default_backend() == "cpu" else MAX_TOKENS
 
 
 def matmul_out_in(x: jax.Array, w_out_in: jax.Array, acc_dtype=None) -> jax.Array:
@@ -201,7 +214,7 @@ def sparse_moe(
     activation: str = "swiglu", *, bias: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Mixtral MoE reading only the selected experts (each selected expert once up to
-    ``MAX_TOKENS`` tokens, rows grouped by expert beyond).
+    ``max_selected_tokens()`` tokens, rows grouped by expert beyond).
 
     Args:
       x: [T, D].
@@ -218,7 +231,7 @@ def sparse_moe(
     logits = router_logits(x, router_de)
     routing = routing_lib.route(logits, config, bias=bias)
     weights = jnp.where(routing.mask, routing.weights, 0.0)
-    if x.shape[0] > MAX_TOKENS:
+    if x.shape[0] > max_selected_tokens():
         y = _grouped_moe(x, routing, weights, experts, activation)
     else:
         y = _selected_moe(x, routing, weights, experts, activation)
