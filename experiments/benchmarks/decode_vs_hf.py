@@ -252,19 +252,34 @@ def hf_decode(hf, prompt, new_tokens) -> dict:
     return res
 
 
-def prefill_ms(model, prompt, weights, hf=None) -> dict:
-    generate_with_stats(model, prompt, 1, decode_weights=weights)  # compile
-    ours = min(generate_with_stats(model, prompt, 1, decode_weights=weights)[1].prefill_s
-               for _ in range(2))
-    res = {"tokens": int(prompt.shape[1]), "ours_ms": 1e3 * ours}
-    if hf is not None:
+def prefill_ms(model, prompt, weights, hf=None, rounds: int = 3) -> dict:
+    """Prefill of prompt [1, S]: ours (``generate``'s compiled prefill) and HF's forward
+    with a cache, one warm-up each, then alternated ``rounds`` times so that this
+    machine's drift hits both alike; ratios of the medians and of the minima."""
+    def ours():
+        return generate_with_stats(model, prompt, 1, decode_weights=weights)[1].prefill_s
+
+    def theirs():
         import torch
 
         with torch.no_grad():
             t = time.perf_counter()
             hf(torch.as_tensor(prompt), use_cache=True)
-            res["hf_ms"] = 1e3 * (time.perf_counter() - t)
+            return time.perf_counter() - t
+
+    timed = {"ours": ours} | ({} if hf is None else {"hf": theirs})
+    for fn in timed.values():
+        fn()  # compile / warm up
+    times = {name: [] for name in timed}
+    for _ in range(rounds):
+        for name, fn in timed.items():
+            times[name].append(1e3 * fn())
+    res = {"tokens": int(prompt.shape[1]), "rounds": rounds}
+    for name, ms in times.items():
+        res[f"{name}_ms"], res[f"{name}_ms_min"] = float(np.median(ms)), float(min(ms))
+    if hf is not None:
         res["ours_over_hf"] = res["ours_ms"] / res["hf_ms"]
+        res["ours_over_hf_min"] = res["ours_ms_min"] / res["hf_ms_min"]
     return res
 
 
