@@ -18,7 +18,9 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from aristax import MoEConfig, MoEParams
 from aristax.pallas_kernels import combine, frontdoor, moe_mlp, permute, ragged_dot, route
+from aristax.parallel import expert_parallel_moe
 
 CHECKS = {"triton": [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
           "mosaic_gpu": []}
@@ -93,14 +95,11 @@ def test_expert_parallel_layer_lowers_for_cuda_on_the_kernels(expert_perm, monke
     gradient of the whole layer lowers for CUDA with the router on the fused route
     kernel (its dropless dispatch when no expert permutation is given, the plain
     dispatch of the physical slots otherwise) and the local experts on the fused
-    moe_mlp. The numbers of this path equal the single-device layer's on the same
-    kernels (tests/test_layers.py), which in turn equals the reference layer. The
-    layer has no ``interpret`` argument: ``interpret=None`` resolves to compiled here,
-    as on a GPU host."""
-    from aristax import MoEConfig
-    from aristax.moe import MoEParams
-    from aristax.parallel import expert_parallel_moe
-
+    moe_mlp. Its numbers are not checked here (interpret mode cannot run inside
+    ``shard_map``): the layer takes the fused routing and dispatch unchanged, and
+    those equal the plain router and dropless dispatch field by field
+    (tests/test_moe.py). The layer has no ``interpret`` argument, so
+    ``interpret=None`` is made to resolve to compiled, as on a GPU host."""
     cfg = MoEConfig(num_experts=8, top_k=2, d_model=D, d_ff=F, implementation="triton")
     mesh = jax.make_mesh((2, 4), ("data", "expert"),
                          axis_types=(jax.sharding.AxisType.Explicit,) * 2)
@@ -120,9 +119,8 @@ def test_expert_parallel_layer_lowers_for_cuda_on_the_kernels(expert_perm, monke
                                      backend="ragged")
         return jnp.sum(y ** 2) + aux["loss"]
 
+    checks = CHECKS["triton"] + [jax.export.DisabledSafetyCheck.custom_call("ragged_all_to_all")]
     text = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1))), platforms=["cuda"],
-                             disabled_checks=CHECKS["triton"] + [
-                                 jax.export.DisabledSafetyCheck.custom_call("ragged_all_to_all")])(
-        x, params).mlir_module()
+                             disabled_checks=checks)(x, params).mlir_module()
     for kernel in ("route_topk", "moe_mlp_gate_up", "ragged_all_to_all"):
         assert kernel in text, kernel
