@@ -25,7 +25,8 @@ class Dispatch:
     """How tokens are laid out for the experts, and back.
 
     Attributes:
-      row_token: int32[M] token that feeds each row.
+      row_slot: int32[M] flat slot t*K + k that feeds each row (0 for padding rows);
+        dropless, a permutation of the T*K slots: the kernels' ``sort_order``.
       row_valid: bool[M] row holds a token (False: padding, zero row).
       slot: int32[T, K] row that holds each slot's output (meaningless where not kept).
       kept: bool[T, K] slot is processed by an expert (routed and not dropped).
@@ -34,13 +35,18 @@ class Dispatch:
       num_dropped: int32[] routed slots dropped for lack of capacity.
     """
 
-    row_token: jax.Array
+    row_slot: jax.Array
     row_valid: jax.Array
     slot: jax.Array
     kept: jax.Array
     group_sizes: jax.Array
     num_routed: jax.Array
     num_dropped: jax.Array
+
+    @property
+    def row_token(self) -> jax.Array:
+        """int32[M] token that feeds each row."""
+        return self.row_slot // self.slot.shape[1]
 
     @property
     def dropped_fraction(self) -> jax.Array:
@@ -65,7 +71,7 @@ def dropless_dispatch(routing: Routing) -> Dispatch:
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(T * K, dtype=order.dtype))
     num_routed = jnp.sum(counts[:E], dtype=jnp.int32)
     return Dispatch(
-        row_token=order // K,
+        row_slot=order,
         row_valid=jnp.arange(T * K, dtype=jnp.int32) < num_routed,
         slot=inverse.reshape(T, K),
         kept=routing.mask,
@@ -103,12 +109,12 @@ def capacity_dispatch(routing: Routing, capacity: int, policy: str = "position")
     place = jnp.zeros(T * K, jnp.int32).at[slot_in_expert_order].set(place_sorted)
     kept = (flat < E) & (place < C)
     slot = jnp.where(kept, flat * C + place, E * C)  # E*C: out of range, never read
-    token = jnp.arange(T * K, dtype=jnp.int32) // K
-    row_token = jnp.zeros(E * C, jnp.int32).at[slot].set(token, mode="drop")
+    row_slot = jnp.zeros(E * C, jnp.int32).at[slot].set(
+        jnp.arange(T * K, dtype=jnp.int32), mode="drop")
     row_valid = jnp.zeros(E * C, bool).at[slot].set(True, mode="drop")
     num_routed = jnp.sum(counts[:E], dtype=jnp.int32)
     return Dispatch(
-        row_token=row_token,
+        row_slot=row_slot,
         row_valid=row_valid,
         slot=slot.reshape(T, K).astype(jnp.int32),
         kept=kept.reshape(T, K),

@@ -165,7 +165,7 @@ def fused_routing(
         logits=out.logits)
     num_routed = jnp.sum(out.counts, dtype=jnp.int32)
     dispatch = dispatch_lib.Dispatch(
-        row_token=out.sort_order // K,
+        row_slot=out.sort_order,
         row_valid=jnp.arange(T * K, dtype=jnp.int32) < num_routed,
         slot=inverse_order(out.sort_order).reshape(T, K), kept=routing.mask,
         group_sizes=out.counts, num_routed=num_routed,
@@ -198,7 +198,7 @@ def routed_experts(
     if not dropless or config.implementation is None:
         return dispatch_lib.combine(experts(dispatch_lib.permute(xc, dispatch)), dispatch,
                                     weights)
-    order = dropless_sort_order(dispatch)
+    order = dispatch.row_slot
     y = fused_experts(xc, order, weights, dispatch.group_sizes, dispatch.num_routed,
                       params, config)
     if y is not None:
@@ -234,13 +234,6 @@ def fused_experts(
     return moe_mlp(x, sort_order, weights, group_sizes, gate, params.up_edf,
                    params.down_efd, activation=config.activation, num_valid=num_valid,
                    implementation=fused)
-
-
-def dropless_sort_order(dispatch: dispatch_lib.Dispatch) -> jax.Array:
-    """int32[T*K] flat slot of each row of a dropless dispatch (the inverse of its
-    ``slot``, a permutation of the T*K slots)."""
-    slots = dispatch.slot.reshape(-1)
-    return jnp.zeros_like(slots).at[slots].set(jnp.arange(slots.shape[0], dtype=slots.dtype))
 
 
 def moe_aux(

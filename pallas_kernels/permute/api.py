@@ -113,7 +113,7 @@ def permute(
     """Gather tokens into expert order: rows[p] = x[sort_order[p] // K].
 
     Equals ``aristax.dispatch.permute`` with the dropless dispatch of the same
-    routing (``row_token = sort_order // K``, ``row_valid = p < num_valid``).
+    routing (``row_slot = sort_order``, ``row_valid = p < num_valid``).
 
     Args:
       x: [T, D] tokens. sort_order: int[T*K] flat slot of each row (``route``).

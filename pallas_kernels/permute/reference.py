@@ -6,7 +6,7 @@ Letters: T tokens, D model dim, K slots per token, M = T*K rows in expert order.
 stable sort of the slots by expert); ``inverse_order`` gives pos[s], the row of slot
 s. Rows p >= ``num_valid`` (the routed slots, ``sum(counts)``) are padding: permute
 writes zeros there and combine ignores the slots that land there. This is
-``aristax.dispatch``'s dropless layout: ``row_token = sort_order // K``,
+``aristax.dispatch``'s dropless layout: ``row_slot = sort_order``,
 ``row_valid = p < num_valid``, ``slot = pos.reshape(T, K)``, ``kept = slot <
 num_valid``.
 """

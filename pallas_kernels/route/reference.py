@@ -15,8 +15,8 @@ Tokens whose logits are not all finite are routed nowhere, as ``aristax.routing`
 does: their weights are 0, their slots sort after every routed slot (as if they went
 to a virtual expert E) and ``counts`` leaves them out, so ``sum(counts)`` is the
 number of routed slots. This is exactly the layout of
-``aristax.dispatch.dropless_dispatch``: ``sort_order // K`` is its ``row_token`` and
-the inverse permutation is its ``slot``.
+``aristax.dispatch.dropless_dispatch``: ``sort_order`` is its ``row_slot`` and the
+inverse permutation is its ``slot``.
 """
 
 from __future__ import annotations

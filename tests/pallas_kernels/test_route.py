@@ -232,7 +232,7 @@ def test_reference_equals_aristax_routing_and_dropless_dispatch(name):
     np.testing.assert_array_equal(out.weights, routing.weights)
     np.testing.assert_array_equal(out.logits, routing.logits)
     np.testing.assert_array_equal(out.counts, dispatch.group_sizes)
-    np.testing.assert_array_equal(out.sort_order // K, dispatch.row_token)
+    np.testing.assert_array_equal(out.sort_order, dispatch.row_slot)
     inverse = np.argsort(np.asarray(out.sort_order)).reshape(T, K)
     np.testing.assert_array_equal(inverse, dispatch.slot)
     ids, weights, counts, order = numpy_route(x, w, bias, K, score, normalize)
