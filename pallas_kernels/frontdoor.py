@@ -44,19 +44,32 @@ def candidates(
     return names
 
 
+def named(implementation: Implementation) -> list[str]:
+    """The backend names ``implementation`` gives, in order (none for None)."""
+    if implementation is None:
+        return []
+    return [implementation] if isinstance(implementation, str) else list(implementation)
+
+
 def with_reference(implementation: str | Sequence[str],
                    registry: Mapping[str, Any]) -> list[str]:
     """The names of ``implementation`` that an op's ``registry`` has, in order, ending
     in "reference": the lenient rule of a layer, which runs each op on the named
     kernels where they serve and on the reference elsewhere."""
-    names = [implementation] if isinstance(implementation, str) else list(implementation)
-    names = [n for n in names if n in registry]
+    names = [n for n in named(implementation) if n in registry]
     return names if "reference" in names else names + ["reference"]
 
 
 def resolve_interpret(interpret: bool | None) -> bool:
     """``interpret=None`` -> interpret mode iff JAX's default backend is the CPU."""
     return jax.default_backend() == "cpu" if interpret is None else bool(interpret)
+
+
+def interprets(implementation: Implementation) -> bool:
+    """Whether ``implementation`` names a Pallas backend (not only "reference") and
+    kernels run in interpret mode here (``interpret=None`` on the CPU)."""
+    return (any(name != "reference" for name in named(implementation))
+            and resolve_interpret(None))
 
 
 def call_first(

@@ -61,6 +61,7 @@ from aristax import routing as routing_lib
 from aristax.config import MoEConfig
 from aristax.experts import dense_mlp, expert_mlp
 from aristax.moe import MoEParams, fused_experts, make_dispatch, route_tokens
+from aristax.pallas_kernels import frontdoor
 from aristax.parallel import overlap
 from aristax.parallel.collectives import check_backend, default_backend, exchange
 from aristax.parallel.mesh import (EMPTY_SLOT, expert_axes_of, expert_permutation,
@@ -381,6 +382,13 @@ def _validate(x, config, mesh, expert_axis, token_axes, seq_len, slot_of, buffer
     if config.router == "expert_choice":
         raise ValueError("MoEConfig.router='expert_choice' picks tokens over the whole batch; "
                          "expert_parallel_moe supports token-choice routers only")
+    if ("mosaic_gpu" in frontdoor.named(config.implementation)
+            and frontdoor.interprets(config.implementation) and mesh.size > 1):
+        raise ValueError(
+            f"MoEConfig.implementation={config.implementation!r}: Mosaic GPU kernels cannot "
+            "run in interpret mode inside the expert-parallel shard_map (JAX's Mosaic GPU "
+            "interpreter deadlocks when several devices of one process run it); on the CPU "
+            "use implementation='triton' or None, and 'mosaic_gpu' on a GPU")
     G = int(np.prod([mesh.shape[a] for a in expert_axes]))
     E = config.num_experts
     if slot_of is not None:  # expert_perm: the physical -> logical map
@@ -523,10 +531,13 @@ def expert_parallel_moe(
         schedule=None if schedule is None else tuple(tuple(map(tuple, r)) for r in schedule))
     overlap.chunk_bounds(x.shape[0] // shards, num_chunks)  # validates num_chunks early
     aux_specs = {k: P() for k in _SCALAR_AUX} | {"expert_load": P(), "router_logits": tok}
+    # Pallas interpret mode (kernels named, on the CPU) fails JAX 0.10's varying-manual-
+    # axes check inside shard_map ("Scan carry input and output got mismatched varying
+    # manual axes"): there the check is off. Compiled kernels keep it.
     fn = jax.shard_map(
         body, mesh=mesh,
         in_specs=(tok, tok, pspecs, P()),
-        out_specs=(tok, aux_specs))
+        out_specs=(tok, aux_specs), check_vma=not frontdoor.interprets(config.implementation))
     y, aux = fn(x, router_in, params, bias)
     if x_spec is not None:  # Explicit axes: the output keeps the input's sharding
         row = P(x_spec[0] if len(x_spec) else None, None)

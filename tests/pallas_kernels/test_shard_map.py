@@ -7,8 +7,10 @@ say how it varies, and the ``custom_vjp`` must return cotangents of its operands
 types; the front doors cast the operands alike, so the replicated weights' gradients
 come back through a psum.
 
-Pallas interpret mode cannot run here: JAX 0.10's interpreter fails its own
-varying-axes check inside ``shard_map``, so this exports the compiled kernels instead.
+Pallas interpret mode fails JAX 0.10's varying-axes check inside ``shard_map``, and
+compiled kernels are what a GPU runs, so this exports the compiled kernels with the
+check on. (The expert-parallel layer's numbers on the Triton kernels are checked in
+interpret mode, the check off, in tests/parallel/test_expert_parallel.py.)
 """
 
 from __future__ import annotations
@@ -95,11 +97,10 @@ def test_expert_parallel_layer_lowers_for_cuda_on_the_kernels(expert_perm, monke
     gradient of the whole layer lowers for CUDA with the router on the fused route
     kernel (its dropless dispatch when no expert permutation is given, the plain
     dispatch of the physical slots otherwise) and the local experts on the fused
-    moe_mlp. Its numbers are not checked here (interpret mode cannot run inside
-    ``shard_map``): the layer takes the fused routing and dispatch unchanged, and
-    those equal the plain router and dropless dispatch field by field
-    (tests/test_moe.py). The layer has no ``interpret`` argument, so
-    ``interpret=None`` is made to resolve to compiled, as on a GPU host."""
+    moe_mlp. Its numbers are checked in interpret mode by
+    tests/parallel/test_expert_parallel.py. The layer has no ``interpret`` argument,
+    so ``interpret=None`` is made to resolve to compiled, as on a GPU host (where
+    ``shard_map`` keeps its varying-axes check)."""
     cfg = MoEConfig(num_experts=8, top_k=2, d_model=D, d_ff=F, implementation="triton")
     mesh = jax.make_mesh((2, 4), ("data", "expert"),
                          axis_types=(jax.sharding.AxisType.Explicit,) * 2)
