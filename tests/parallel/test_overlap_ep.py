@@ -19,11 +19,13 @@ CASES = {
     "capacity_position": dict(num_experts=8, top_k=2, capacity_factor=0.75),
     "capacity_probability": dict(num_experts=8, top_k=2, capacity_factor=0.75,
                                  drop_policy="probability"),
+    # chunks on the Pallas Triton kernels (interpret mode), against the reference path
+    "dropless_triton": dict(num_experts=8, top_k=2, implementation="triton"),
 }
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_ep_chunks_equal_single_device(name):
+def test_ep_chunks_equal_single_device(name, kernel_calls):
     cfg = MoEConfig(d_model=D, d_ff=24, **CASES[name])
     mesh = make_mesh((2, 4))
     params = make_params(cfg)
@@ -34,11 +36,13 @@ def test_ep_chunks_equal_single_device(name):
     def ep(x, p, k):
         return expert_parallel_moe(x, p, cfg, mesh, num_chunks=k)
 
+    ref_cfg = cfg.replace(implementation=None)
+
     def ref(x, p):
-        y, aux = moe(x, p, cfg)  # expert_load counts assignments before drops: whole batch
+        y, aux = moe(x, p, ref_cfg)  # expert_load counts assignments before drops: whole batch
         if cfg.capacity_factor is None:
             return y, aux
-        y, shards = per_shard_moe(x, p, cfg, 8)
+        y, shards = per_shard_moe(x, p, ref_cfg, 8)
         return y, {"num_dropped": jnp.sum(shards["num_dropped"]),
                    "expert_load": aux["expert_load"]}
 
@@ -51,6 +55,8 @@ def test_ep_chunks_equal_single_device(name):
         return outs, (y_ref, aux_ref), grads
 
     outs, (y_ref, aux_ref), (g_ref, g3) = run(x, params)
+    if cfg.implementation:  # the kernels really ran, not a fallback
+        assert {"route", "moe_mlp"} <= set(kernel_calls["triton"]), kernel_calls
     if cfg.capacity_factor is not None:
         assert int(aux_ref["num_dropped"]) > 0
     for k, (y, aux) in zip(ks, outs):
