@@ -25,8 +25,8 @@ class Dispatch:
     """How tokens are laid out for the experts, and back.
 
     Attributes:
-      row_slot: int32[M] flat slot t*K + k that feeds each row (0 for padding rows);
-        dropless, a permutation of the T*K slots: the kernels' ``sort_order``.
+      row_slot: int32[M] flat slot t*K + k that feeds each row (0 on padding rows).
+        Dropless it is a permutation of the T*K slots, the kernels' ``sort_order``.
       row_valid: bool[M] row holds a token (False: padding, zero row).
       slot: int32[T, K] row that holds each slot's output (meaningless where not kept).
       kept: bool[T, K] slot is processed by an expert (routed and not dropped).
