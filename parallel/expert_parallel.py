@@ -383,7 +383,7 @@ def _validate(x, config, mesh, expert_axis, token_axes, seq_len, slot_of, buffer
         raise ValueError("MoEConfig.router='expert_choice' picks tokens over the whole batch; "
                          "expert_parallel_moe supports token-choice routers only")
     if ("mosaic_gpu" in frontdoor.named(config.implementation)
-            and frontdoor.interprets(config.implementation) and mesh.size > 1):
+            and frontdoor.resolve_interpret(None) and mesh.size > 1):
         raise ValueError(
             f"MoEConfig.implementation={config.implementation!r}: Mosaic GPU kernels cannot "
             "run in interpret mode inside the expert-parallel shard_map (JAX's Mosaic GPU "
