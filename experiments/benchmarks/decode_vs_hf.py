@@ -11,6 +11,9 @@ top-2, 32 heads, 8 KV heads, vocab 32000), random weights, float32, on this mach
   K experts, LM head, the KV cache) / the weight-streaming bandwidth of a float32
   4096x16384 matrix-vector product measured in each round, just before our decode
   (the fastest of JAX in both weight layouts, numpy and torch);
+* paired windows: many short batch-1 decodes, each with the bandwidth measured just
+  before and just after it, so that each ratio to the roofline compares measurements
+  under a second apart (this machine's bandwidth drifts by a third within seconds);
 * the GEMV floor: the same weights in the step's own shapes ([out, in] matrices of
   1-33 MB, one after another), timed as a chain of bare matrix-vector products in JAX
   and torch; it says how much of the gap to the roofline these shapes cost anyone;
@@ -48,6 +51,9 @@ def parse_args(argv=None):
     p.add_argument("--sweep-rounds", type=int, default=4)
     p.add_argument("--rounds", type=int, default=3,
                    help="rounds of (bandwidth, GEMV floor, aristax, HF) for the batch-1 decode")
+    p.add_argument("--windows", type=int, default=24,
+                   help="paired windows of (bandwidth, short decode, bandwidth); 0 to skip")
+    p.add_argument("--window-tokens", type=int, default=16)
     p.add_argument("--batch", type=int, default=8, help="batched decode (0 to skip)")
     p.add_argument("--prefill", type=int, default=512, help="prefill length (0 to skip)")
     p.add_argument("--no-hf", action="store_true", help="skip Hugging Face")
@@ -59,6 +65,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         args.layers, args.new_tokens, args.sweep_experts, args.rounds = 2, 16, "2,8", 1
+        args.windows = min(args.windows, 4)
         args.sweep_layers, args.sweep_rounds = 2, 2
         args.prefill = min(args.prefill, 128)
     return args
@@ -112,10 +119,11 @@ def _best_and_median(fn, reps: int) -> tuple[float, float]:
     return min(times), float(np.median(times))
 
 
-def streaming_bandwidth(rows=4096, cols=16384, reps=30) -> dict:
-    """GB/s of a float32 matrix-vector product over a [rows, cols] weight (best of reps),
-    in every form at hand: jax.jit ``v @ w`` and ``w.T @ v`` (the weight stored
-    transposed), numpy, and torch when installed. The ceiling is the fastest form."""
+def bandwidth_probe(rows=4096, cols=16384):
+    """A function ``probe(reps) -> dict``: GB/s of a float32 matrix-vector product over
+    a [rows, cols] weight (best of ``reps``), in every form at hand: jax.jit ``v @ w`` and
+    ``w.T @ v`` (the weight stored transposed), numpy, and torch when installed. The
+    ceiling is the fastest form. The weights are made once, here."""
     w = np.random.default_rng(0).standard_normal((rows, cols), np.float32)
     v = np.random.default_rng(1).standard_normal(rows, np.float32)
     wj, wtj, vj = jnp.asarray(w), jnp.asarray(np.ascontiguousarray(w.T)), jnp.asarray(v)
@@ -131,15 +139,19 @@ def streaming_bandwidth(rows=4096, cols=16384, reps=30) -> dict:
         forms["torch v@w"] = lambda: tv @ tw
     except ImportError:
         pass
-    res = {"shape": [rows, cols], "forms": {}}
-    for name, fn in forms.items():
-        best, med = _best_and_median(fn, reps)
-        res["forms"][name] = {"best_ms": 1e3 * best, "median_ms": 1e3 * med,
-                              "gb_per_s_best": w.nbytes / best / 1e9,
-                              "gb_per_s_median": w.nbytes / med / 1e9}
-    res["fastest"] = max(res["forms"], key=lambda k: res["forms"][k]["gb_per_s_best"])
-    res["gb_per_s_best"] = res["forms"][res["fastest"]]["gb_per_s_best"]
-    return res
+
+    def probe(reps: int) -> dict:
+        res = {"shape": [rows, cols], "forms": {}}
+        for name, fn in forms.items():
+            best, med = _best_and_median(fn, reps)
+            res["forms"][name] = {"best_ms": 1e3 * best, "median_ms": 1e3 * med,
+                                  "gb_per_s_best": w.nbytes / best / 1e9,
+                                  "gb_per_s_median": w.nbytes / med / 1e9}
+        res["fastest"] = max(res["forms"], key=lambda k: res["forms"][k]["gb_per_s_best"])
+        res["gb_per_s_best"] = res["forms"][res["fastest"]]["gb_per_s_best"]
+        return res
+
+    return probe
 
 
 def active_gemvs(weights, top_k: int) -> list:
@@ -227,6 +239,32 @@ def ours_decode(model, prompt, new_tokens, weights, repeats=2) -> dict:
     res["prefill_ms"] = 1e3 * min(st.prefill_s for _, st in runs)
     res["tokens"] = runs[-1][0][:, prompt.shape[1]:]
     return res
+
+
+def paired_windows(model, prompt, weights, cfg, probe, windows: int, tokens: int,
+                   reps: int = 5) -> dict:
+    """Our batch-1 decode against a roofline measured around it, ``windows`` times: the
+    GEMV bandwidth (``probe``, best of ``reps`` per form) just before and just after a
+    ``tokens``-token decode, the window's roofline from the higher of the two (the
+    stricter ceiling) and the bytes of a cache of prompt + ``tokens``. This machine's
+    bandwidth swings by a third within seconds (other tenants), which a roofline taken
+    a minute away from the decode mistakes for our speed; a window's two measurements
+    lie under a second apart."""
+    nbytes = weight_bytes_per_token(cfg, prompt.shape[1] + tokens)
+    generate_with_stats(model, prompt, tokens, decode_weights=weights)  # compile
+    rows = []
+    for _ in range(windows):
+        before = probe(reps)["gb_per_s_best"]
+        step_s = generate_with_stats(model, prompt, tokens, decode_weights=weights)[1].step_s
+        gb_per_s = max(before, probe(reps)["gb_per_s_best"])
+        roofline, ms = 1e3 * nbytes / (gb_per_s * 1e9), 1e3 * float(np.median(step_s))
+        rows.append({"gb_per_s": gb_per_s, "roofline_ms": roofline, "ours_ms_median": ms,
+                     "ours_over_roofline": ms / roofline})
+    ratio = [r["ours_over_roofline"] for r in rows]
+    return {"tokens": tokens, "reps": reps, "bytes_per_token": nbytes,
+            **{f"ours_over_roofline_{name}": float(np.percentile(ratio, q))
+               for name, q in (("p25", 25), ("median", 50), ("p75", 75))},
+            "windows": rows}
 
 
 def hf_decode(hf, prompt, new_tokens) -> dict:
@@ -347,10 +385,11 @@ def main(args):
     # drifts over minutes, so each round's ratios compare measurements seconds apart.
     # compile both steps at the measured cache length
     generate_with_stats(model, prompt, args.new_tokens, decode_weights=weights)
+    probe = bandwidth_probe()
     rounds = []
     for r in range(args.rounds):
         log(f"round {r + 1}/{args.rounds}: bandwidth, aristax decode, HF decode ...")
-        bw = streaming_bandwidth()
+        bw = probe(30)
         roofline = 1e3 * nbytes / (bw["gb_per_s_best"] * 1e9)
         floor = gemv_floor(weights, cfg.num_experts_per_tok)
         ours = ours_decode(model, prompt, args.new_tokens, weights, repeats=1)
@@ -376,6 +415,14 @@ def main(args):
     if hf is not None:
         result["decode_b1"]["greedy_tokens_agree_prefix_min"] = min(
             rnd["greedy_tokens_agree_prefix"] for rnd in rounds)
+    if args.windows:
+        log(f"{args.windows} paired windows of bandwidth, {args.window_tokens}-token decode, "
+            "bandwidth ...")
+        paired = paired_windows(model, prompt, weights, cfg, probe, args.windows,
+                                args.window_tokens)
+        result["decode_b1_paired"] = paired
+        log("  ours/roofline p25 {ours_over_roofline_p25:.3f} median "
+            "{ours_over_roofline_median:.3f} p75 {ours_over_roofline_p75:.3f}".format(**paired))
 
     if args.batch:
         log(f"batch {args.batch} decode ...")
