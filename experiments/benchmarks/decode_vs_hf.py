@@ -22,6 +22,9 @@ top-2, 32 heads, 8 KV heads, vocab 32000), random weights, float32, on this mach
   flat;
 * batch 8 decode and a 512-token prefill, aristax and HF.
 
+With JAX on a GPU, HF and the torch forms run on CUDA (timed to the end of their
+kernels), numpy is left out, and the results go to ``decode_vs_hf_gpu.json``.
+
     python experiments/benchmarks/decode_vs_hf.py            # full run (minutes)
     python experiments/benchmarks/decode_vs_hf.py --quick    # 2 layers, 16 tokens
 
@@ -60,8 +63,7 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true",
                    help="2 layers, 16 new tokens, sweep 2,8, batch 8, prefill 128")
     p.add_argument("--xla-flags", default="--xla_cpu_use_xnnpack=true")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                 "results", "decode_vs_hf_cpu.json"))
+    p.add_argument("--out", help="default: results/decode_vs_hf_<JAX backend>.json")
     args = p.parse_args(argv)
     if args.quick:
         args.layers, args.new_tokens, args.sweep_experts, args.rounds = 2, 16, "2,8", 1
@@ -87,6 +89,31 @@ from flax import nnx  # noqa: E402
 
 from aristax.models import Mixtral, MixtralConfig  # noqa: E402
 from aristax.models.generate import generate_with_stats  # noqa: E402
+
+
+def torch_device() -> str | None:
+    """Where torch (the peer, and the torch GEMV forms) runs beside JAX: "cpu" with JAX on
+    the CPU, "cuda" with JAX on a GPU that torch sees too; None without torch or without
+    that GPU, and then HF and the torch forms are left out."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if jax.default_backend() == "cpu":
+        return "cpu"
+    return "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else None
+
+
+TORCH_DEVICE = torch_device()
+
+
+def torch_wait() -> None:
+    """Wait for torch's queued GPU work, so that a timer read after it counts the work
+    (CUDA calls return before their kernels finish)."""
+    if TORCH_DEVICE == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
 
 
 def tiny_mistral(layers: int, experts: int) -> MixtralConfig:
@@ -122,23 +149,23 @@ def _best_and_median(fn, reps: int) -> tuple[float, float]:
 def bandwidth_probe(rows=4096, cols=16384):
     """A function ``probe(reps) -> dict``: GB/s of a float32 matrix-vector product over
     a [rows, cols] weight (best of ``reps``), in every form at hand: jax.jit ``v @ w`` and
-    ``w.T @ v`` (the weight stored transposed), numpy, and torch when installed. The
-    ceiling is the fastest form. The weights are made once, here."""
+    ``w.T @ v`` (the weight stored transposed), numpy (with JAX on the CPU), and torch
+    on ``TORCH_DEVICE``. The ceiling is the fastest form. The weights are made once,
+    here."""
     w = np.random.default_rng(0).standard_normal((rows, cols), np.float32)
     v = np.random.default_rng(1).standard_normal(rows, np.float32)
     wj, wtj, vj = jnp.asarray(w), jnp.asarray(np.ascontiguousarray(w.T)), jnp.asarray(v)
     forms = {
         "jax v@w": lambda f=jax.jit(lambda w, v: v @ w): f(wj, vj).block_until_ready(),
         "jax wT@v": lambda f=jax.jit(lambda wt, v: wt @ v): f(wtj, vj).block_until_ready(),
-        "numpy v@w": lambda: v @ w,
     }
-    try:
+    if jax.default_backend() == "cpu":
+        forms["numpy v@w"] = lambda: v @ w
+    if TORCH_DEVICE:
         import torch
 
-        tw, tv = torch.from_numpy(w), torch.from_numpy(v)
-        forms["torch v@w"] = lambda: tv @ tw
-    except ImportError:
-        pass
+        tw, tv = (torch.from_numpy(a).to(TORCH_DEVICE) for a in (w, v))
+        forms["torch v@w"] = lambda: (tv @ tw, torch_wait())
 
     def probe(reps: int) -> dict:
         res = {"shape": [rows, cols], "forms": {}}
@@ -193,14 +220,13 @@ def gemv_floor(weights, top_k: int, reps=10) -> dict:
     jchain = jax.jit(lambda mm, v: chain(mm, v, jax.nn.silu))
     v = jnp.full((mats[0].shape[1],), 0.01, mats[0].dtype)
     forms = {"jax": lambda: jchain(mats, v).block_until_ready()}
-    try:
+    if TORCH_DEVICE:
         import torch
 
-        tm = [torch.from_numpy(np.asarray(m)) for m in mats]  # views, read only
-        tv = torch.from_numpy(np.asarray(v).copy())
-        forms["torch"] = lambda: chain(tm, tv, torch.nn.functional.silu)
-    except ImportError:
-        pass
+        # on the CPU zero-copy views (read only); on a GPU copies
+        tm = [torch.from_numpy(np.asarray(m)).to(TORCH_DEVICE) for m in mats]
+        tv = torch.from_numpy(np.asarray(v).copy()).to(TORCH_DEVICE)
+        forms["torch"] = lambda: (chain(tm, tv, torch.nn.functional.silu), torch_wait())
     res = {"bytes": nbytes, "forms": {}}
     for name, fn in forms.items():
         best, med = _best_and_median(fn, reps)
@@ -268,14 +294,17 @@ def paired_windows(model, prompt, weights, cfg, probe, windows: int, tokens: int
 
 
 def hf_decode(hf, prompt, new_tokens) -> dict:
-    """HF eager: prefill, then a DynamicCache loop of greedy single-token steps."""
+    """HF eager: prefill, then a DynamicCache loop of greedy single-token steps (each
+    step timed to its token's arrival, as ours are)."""
     import torch
 
-    ids = torch.as_tensor(prompt)
+    ids = torch.as_tensor(prompt, device=TORCH_DEVICE)
     with torch.no_grad():
         hf(ids[:, :2], use_cache=True)  # warm-up
+        torch_wait()
         t0 = time.perf_counter()
         out = hf(ids, use_cache=True)
+        torch_wait()
         prefill = time.perf_counter() - t0
         past, tok = out.past_key_values, out.logits[:, -1].argmax(-1)
         tokens, times = [tok], []
@@ -283,10 +312,11 @@ def hf_decode(hf, prompt, new_tokens) -> dict:
             t = time.perf_counter()
             out = hf(tok[:, None], past_key_values=past, use_cache=True)
             past, tok = out.past_key_values, out.logits[:, -1].argmax(-1)
+            torch_wait()
             times.append(time.perf_counter() - t)
             tokens.append(tok)
     res = step_stats(times[1:], prompt.shape[0])
-    res.update(prefill_ms=1e3 * prefill, tokens=torch.stack(tokens, 1).numpy())
+    res.update(prefill_ms=1e3 * prefill, tokens=torch.stack(tokens, 1).cpu().numpy())
     return res
 
 
@@ -301,8 +331,11 @@ def prefill_ms(model, prompt, weights, hf=None, rounds: int = 3) -> dict:
         import torch
 
         with torch.no_grad():
+            ids = torch.as_tensor(prompt, device=TORCH_DEVICE)
+            torch_wait()
             t = time.perf_counter()
-            hf(torch.as_tensor(prompt), use_cache=True)
+            hf(ids, use_cache=True)
+            torch_wait()
             return time.perf_counter() - t
 
     timed = {"ours": ours} | ({} if hf is None else {"hf": theirs})
@@ -322,17 +355,19 @@ def prefill_ms(model, prompt, weights, hf=None, rounds: int = 3) -> dict:
 
 
 def load_hf(model, machine: dict):
-    """The model saved and reloaded as HF eager ``MixtralForCausalLM`` (float32)."""
+    """The model saved and reloaded as HF eager ``MixtralForCausalLM`` (float32) on
+    ``TORCH_DEVICE``."""
     import torch
     import transformers
 
-    machine.update(torch=torch.__version__, torch_threads=torch.get_num_threads(),
+    machine.update(torch=torch.__version__, torch_device=TORCH_DEVICE,
+                   torch_threads=torch.get_num_threads(),
                    transformers=transformers.__version__)
     with tempfile.TemporaryDirectory() as tmp:
         log("saving for HF ...")
         model.save_pretrained(tmp)
         return transformers.MixtralForCausalLM.from_pretrained(
-            tmp, attn_implementation="eager", dtype=torch.float32).eval()
+            tmp, attn_implementation="eager", dtype=torch.float32).eval().to(TORCH_DEVICE)
 
 
 def log(msg):
@@ -376,7 +411,9 @@ def main(args):
         "num_experts_per_tok", "dtype")}
     model = build(cfg)
     weights = model.decode_weights()
-    hf = None if args.no_hf else load_hf(model, result["machine"])
+    if TORCH_DEVICE is None and not args.no_hf:
+        log(f"no torch on {jax.default_backend()}: Hugging Face left out")
+    hf = None if args.no_hf or TORCH_DEVICE is None else load_hf(model, result["machine"])
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, cfg.vocab_size, size=(1, args.prompt)).astype(np.int32)
     cache_len = args.prompt + args.new_tokens
@@ -468,8 +505,10 @@ def main(args):
         del models
 
     result["machine"]["loadavg_at_end"] = os.getloadavg()
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   f"decode_vs_hf_{jax.default_backend()}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
         json.dump(result, f, indent=2, default=float)
     log(json.dumps({k: result[k] for k in result if k not in ("machine", "args")},
                    indent=1, default=float))
