@@ -45,3 +45,7 @@ def test_wheel_installs_and_imports(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd=tmp_path,
                          capture_output=True, text=True).stdout
     assert out.strip().startswith(str(site)), out
+    # the benchmark scripts are not in the wheel: `aristax bench` says where they are
+    bench = subprocess.run([sys.executable, "-m", "aristax.cli", "bench"], env=env,
+                           cwd=tmp_path, capture_output=True, text=True)
+    assert bench.returncode == 1 and "pip install -e ." in bench.stderr, bench.stderr

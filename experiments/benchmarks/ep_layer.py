@@ -14,9 +14,9 @@ Times one jitted forward and one jitted forward+backward of
 Every row prints its ratio to both peers. On a CPU host the "devices" share the same
 cores, so the numbers measure overhead (exchange, padding, chunking), not speed-up.
 
-Usage: PYTHONPATH=. python experiments/benchmarks/ep_layer.py [--devices 8] [--tokens 4096]
+Usage: aristax bench ep_layer [--devices 8] [--tokens 4096]
        [--chunks 1,2,3,4] [--backends padded,scheduled,hierarchical]
-       [--out experiments/benchmarks/results/ep_layer.json]
+       [--out OUT.json (default: results/ep_layer.json beside this script)]
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ _args.add_argument("--experts", type=int, default=16)
 _args.add_argument("--top-k", type=int, default=2)
 _args.add_argument("--capacity-factor", type=float, default=None)
 _args.add_argument("--repeats", type=int, default=5)
-_args.add_argument("--out", default="experiments/benchmarks/results/ep_layer.json")
+_args.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                 "results", "ep_layer.json"))
 ARGS = _args.parse_args()
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + f" --xla_force_host_platform_device_count={ARGS.devices}").strip()

@@ -19,8 +19,9 @@ Targets on H100/H200 (issue 6): grouped GEMM >= 0.85 of dense, MoE layer fwd+bwd
 >= 0.70, >= 1.5x ``lax.ragged_dot``. On a machine without a GPU the JSON says
 ``"gpu": "unmeasured"`` and the CPU shapes are scaled down.
 
-Usage: PYTHONPATH=. python experiments/benchmarks/kernels.py [--shapes mixtral,fine]
-       [--tokens 4096,16384] [--repeats 5] [--out experiments/benchmarks/results/kernels_<platform>.json]
+Usage: aristax bench kernels [--shapes mixtral,fine]
+       [--tokens 4096,16384] [--repeats 5]
+       [--out OUT.json (default: results/kernels_<platform>.json beside this script)]
 """
 
 from __future__ import annotations
@@ -247,7 +248,8 @@ def main() -> None:
               "gpu": "measured" if on_gpu else "unmeasured (no GPU on this machine; CPU "
               "shapes scaled down; Pallas backends not timed in interpret mode)",
               "rows": rows}
-    out = Path(args.out or f"experiments/benchmarks/results/kernels_{jax.default_backend()}.json")
+    out = Path(args.out or Path(__file__).resolve().parent / "results"
+               / f"kernels_{jax.default_backend()}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")

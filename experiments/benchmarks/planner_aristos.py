@@ -18,7 +18,7 @@ at 1.49X degradation of training throughput and latency" (1.2); "for |X| >= 64,
 executing the model becomes compute-bound hence the huge spike in latency for the
 min |CG| heuristic" (3.3).
 
-Usage: PYTHONPATH=. python experiments/benchmarks/planner_aristos.py
+Usage: aristax bench planner_aristos
 Writes experiments/benchmarks/results/planner_aristos.json.
 """
 

@@ -26,7 +26,7 @@ list scheduling for the SJF / random orders, Aurora's BvN order otherwise).
 4. colocating_homogeneous: ``colocate`` vs random expert colocation (REC).
 5. colocating_heterogeneous: ``colocate`` (section 7.2) vs RGA + REC.
 
-Usage: PYTHONPATH=. python experiments/benchmarks/planner_aurora.py
+Usage: aristax bench planner_aurora
 """
 
 from __future__ import annotations

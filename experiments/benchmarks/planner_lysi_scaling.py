@@ -1,6 +1,6 @@
 """LysiGroup wall time versus cluster size (Perlmutter preset), written to JSON.
 
-Usage: PYTHONPATH=. python experiments/benchmarks/planner_lysi_scaling.py [--repeats 3]
+Usage: aristax bench planner_lysi_scaling [--repeats 3]
 Writes experiments/benchmarks/results/planner_lysi_scaling.json. The target is
 1024 devices in under 2 s on a 2-core machine (issue 4).
 """

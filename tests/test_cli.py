@@ -1,0 +1,34 @@
+"""``aristax bench``: lists and runs the scripts in experiments/benchmarks."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+from aristax import cli
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "benchmarks"
+
+
+def test_bench_without_a_name_lists_every_script_with_its_summary(capsys):
+    assert cli.main(["bench"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    scripts = sorted(BENCHMARKS.glob("*.py"))
+    assert len(scripts) >= 6 and len(lines) == len(scripts)
+    for line, path in zip(lines, scripts):
+        summary = ast.get_docstring(ast.parse(path.read_text())).splitlines()[0]
+        assert line.split() == [path.stem, *summary.split()]
+
+
+def test_bench_unknown_name_lists_the_choices():
+    with pytest.raises(SystemExit, match=r"no benchmark named 'decode'.*decode_vs_hf"):
+        cli.main(["bench", "decode"])
+
+
+def test_bench_passes_the_remaining_arguments_to_the_script(capfd):
+    assert cli.main(["bench", "planner_lysi_scaling", "--help"]) == 0
+    out = capfd.readouterr().out
+    assert "usage: planner_lysi_scaling.py" in out and "--repeats" in out
+    assert cli.main(["bench", "planner_lysi_scaling", "--repeats", "x"]) == 2  # its own error
