@@ -31,13 +31,15 @@ kernels), numpy is left out, and the results go to ``decode_vs_hf_gpu.json``.
 XLA:CPU streams a matrix-vector product whose weight is held [in, out] with a long
 contraction at about half of torch's rate, so ``generate`` decodes with [out, in]
 copies (``Mixtral.decode_weights``; see ``aristax.models.sparse_moe``). ``--xla-flags``
-(default: XNNPACK dots) is exported before JAX starts and applies to aristax and to the
-JAX roofline forms alike.
+(default: XNNPACK dots on the CPU; none where a JAX CUDA plugin is installed, whose XLA
+may not know CPU flags and would stop at an unknown one) is exported before JAX starts
+and applies to aristax and to the JAX roofline forms alike.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 
@@ -62,9 +64,12 @@ def parse_args(argv=None):
     p.add_argument("--no-hf", action="store_true", help="skip Hugging Face")
     p.add_argument("--quick", action="store_true",
                    help="2 layers, 16 new tokens, sweep 2,8, batch 8, prefill 128")
-    p.add_argument("--xla-flags", default="--xla_cpu_use_xnnpack=true")
+    p.add_argument("--xla-flags", default=None, help="default: XNNPACK dots on the CPU")
     p.add_argument("--out", help="default: results/decode_vs_hf_<JAX backend>.json")
     args = p.parse_args(argv)
+    if args.xla_flags is None:
+        cuda = any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13))
+        args.xla_flags = "" if cuda else "--xla_cpu_use_xnnpack=true"
     if args.quick:
         args.layers, args.new_tokens, args.sweep_experts, args.rounds = 2, 16, "2,8", 1
         args.windows = min(args.windows, 4)
