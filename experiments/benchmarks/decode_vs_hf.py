@@ -424,8 +424,8 @@ def main(args):
     cache_len = args.prompt + args.new_tokens
     nbytes = weight_bytes_per_token(cfg, cache_len)
     # Rounds of (bandwidth, GEMV floor, aristax, HF): the other tenants' load on this machine
-    # drifts over minutes, so each round's ratios compare measurements seconds apart.
-    # compile both steps at the measured cache length
+    # drifts, so each round's ratios compare measurements seconds apart (and the paired
+    # windows below, under a second apart). First compile both steps at this cache length.
     generate_with_stats(model, prompt, args.new_tokens, decode_weights=weights)
     probe = bandwidth_probe()
     rounds = []
