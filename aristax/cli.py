@@ -16,10 +16,11 @@ from aristax.train import cli as train_cli
 BENCHMARKS = Path(__file__).resolve().parents[1] / "experiments" / "benchmarks"
 
 
-def benchmarks(folder: Path = BENCHMARKS) -> dict[str, str]:
-    """{name: the first line of its docstring} for each script in ``folder``."""
+def benchmarks() -> dict[str, str]:
+    """{name: the first line of its docstring} for each script in ``BENCHMARKS`` (none
+    where that folder is missing)."""
     found = {}
-    for path in sorted(folder.glob("*.py")):
+    for path in sorted(BENCHMARKS.glob("*.py")):
         doc = ast.get_docstring(ast.parse(path.read_text())) or ""
         found[path.stem] = doc.strip().split("\n", 1)[0]
     return found
@@ -28,7 +29,7 @@ def benchmarks(folder: Path = BENCHMARKS) -> dict[str, str]:
 def run_bench(args: argparse.Namespace) -> int:
     """Handler of ``aristax bench``: run one benchmark script with its arguments in a
     fresh interpreter (each sets its XLA flags before JAX starts), or list them."""
-    found = benchmarks() if BENCHMARKS.is_dir() else {}
+    found = benchmarks()
     if not found:
         raise SystemExit(f"aristax bench: no benchmark scripts in {BENCHMARKS}; they ship "
                          "with the source: clone aristax and `pip install -e .` there")
