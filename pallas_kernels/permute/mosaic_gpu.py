@@ -84,7 +84,13 @@ def _check(op: str, arr: jax.Array, top_k: int, interpret, align: int = ALIGN) -
 
 
 def _gather_rows(src_gmem, zero_gmem, buf, barrier, source_row, col0, block_d) -> None:
-    """buf[r] = src[row] or 0 for r < len(buf), ``source_row(r) -> (row, keep)``."""
+    """buf[r] = src[row] or 0 for r < len(buf), ``source_row(r) -> (row, keep)``.
+
+    ``commit_smem`` first: the TMA copies write ``buf`` through the async proxy, which
+    is ordered after this warpgroup's earlier reads of ``buf`` (the previous tile's or
+    slot's) only by that fence (JAX 0.11's interpreter reports the race without it).
+    """
+    plgpu.commit_smem()
     start_row_gathers(src_gmem, zero_gmem, buf, barrier, source_row, col0, block_d)
     plgpu.barrier_wait(barrier)
 

@@ -517,7 +517,7 @@ def _lhs_transposed(lhs_smem, scratch):
     transpose through registers first.
     """
     if scratch is None:
-        return plgpu.transpose_ref(lhs_smem, (1, 0))
+        return lhs_smem.transpose((1, 0))  # plgpu.transpose_ref is deprecated in JAX 0.11
     scratch[...] = lhs_smem[...].T
     plgpu.commit_smem()
     return scratch
