@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import export
 
+from cuda_export import TRITON_CUDA, export_for_cuda
 from aristax import MoEConfig, MoEParams, moe
 from aristax.pallas_kernels import moe_mlp
 from aristax.pallas_kernels.moe_mlp import (
@@ -64,7 +64,6 @@ COMBOS = {
 # (shape, x dtype) each backend serves, for the tests that need one call
 SERVED = {"triton": (SHAPE, jnp.float32), "mosaic_gpu": (MOSAIC_SHAPE, jnp.bfloat16)}
 UNROUTED = 10_000  # key of an unrouted slot: sorts after every expert
-TRITON_CUDA = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
 
 
 def test_mosaic_gpu_gate_up_alone_matches_and_has_no_races():
@@ -359,8 +358,8 @@ def test_exported_cuda_lowering(name, case):
              S((E,), jnp.int32), S((), jnp.int32))
     forward = jax.jit(lambda *a: loss(*a)[1])
     backward = jax.jit(jax.grad(lambda *a: loss(*a)[0], argnums=(0, 1, 2, 3, 4)))
-    texts = [export.export(fn, platforms=["cuda"], disabled_checks=TRITON_CUDA)(
-        *avals).mlir_module() for fn in (forward, backward)]
+    texts = [export_for_cuda(fn, *avals, disabled_checks=TRITON_CUDA).mlir_module()
+             for fn in (forward, backward)]
     other = [GPU_CALLS[n] for n in GPU_CALLS if n != name]
     assert not any(call in text for call in other for text in texts)
     if name in EXPORT_KERNELS:
@@ -389,8 +388,7 @@ def test_vmap_of_value_and_grad_lowers_for_cuda(name):
     avals = (S((B, T, D), dtype), S((B, T, K), jnp.float32), S((B, E, D, F), dtype),
              S((B, E, D, F), dtype), S((B, E, F, D), dtype), S((B, T * K), jnp.int32),
              S((B, E), jnp.int32))
-    text = export.export(fn, platforms=["cuda"], disabled_checks=TRITON_CUDA)(
-        *avals).mlir_module()
+    text = export_for_cuda(fn, *avals, disabled_checks=TRITON_CUDA).mlir_module()
     assert GPU_CALLS[name] in text
 
 

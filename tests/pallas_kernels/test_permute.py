@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from cuda_export import TRITON_CUDA, export_for_cuda
 from aristax import dispatch as dispatch_lib
 from aristax import routing as routing_lib
 from aristax.config import RouterConfig
@@ -29,7 +30,6 @@ BACKENDS = sorted(api.PERMUTE)
 SHAPES = {"f32": (11, 20, 3, 8, jnp.float32), "bf16": (9, 40, 2, 4, jnp.bfloat16),
           "bf16_d128": (9, 128, 2, 4, jnp.bfloat16)}
 TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
-TRITON_CUDA = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
 
 
 _UNROUTED = 10_000  # key of unrouted slots (sorts after every expert, as key E does)
@@ -235,10 +235,10 @@ def test_triton_lowers_for_cuda(T, D, K, dtype):
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     M = T * K
-    exported = jax.export.export(grad, platforms=["cuda"], disabled_checks=TRITON_CUDA)(
-        jax.ShapeDtypeStruct((T, D), dtype), jax.ShapeDtypeStruct((M, D), dtype),
+    exported = export_for_cuda(
+        grad, jax.ShapeDtypeStruct((T, D), dtype), jax.ShapeDtypeStruct((M, D), dtype),
         jax.ShapeDtypeStruct((T, K), dtype), jax.ShapeDtypeStruct((M,), jnp.int32),
-        jax.ShapeDtypeStruct((), jnp.int32))
+        jax.ShapeDtypeStruct((), jnp.int32), disabled_checks=TRITON_CUDA)
     text = exported.mlir_module()
     for kernel in ("permute_gather", "combine_gather_sum", "combine_gather_dot",
                    "inverse_order"):

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 from jax import export
 
+from cuda_export import export_for_cuda
 from aristax import MoEConfig, MoEParams, moe
 from aristax.pallas_kernels.ragged_dot import api
 from aristax.pallas_kernels.ragged_dot.triton import TritonTiles
@@ -300,6 +301,18 @@ def test_invalid_implementation_raises(implementation):
         api.ragged_dot(lhs, rhs, np.zeros(2, np.int32), implementation=implementation)
 
 
+@pytest.mark.parametrize("lhs_shape, rhs_shape, sizes, words", [
+    ((13, 8), (2, 8), np.zeros(2, np.int32), r"rhs must be \[G, K, N\]"),
+    ((13, 8, 1), (2, 8, 4), np.zeros(2, np.int32), r"lhs must be \[M, K\]"),
+    ((13, 6), (2, 8, 4), np.zeros(2, np.int32), "disagree on K"),
+    ((13, 8), (2, 8, 4), np.zeros(3, np.int32), r"group_sizes must be .* \[G\]=\(2,\)"),
+    ((13, 8), (2, 8, 4), np.zeros(2, np.float32), "group_sizes must be an integer array"),
+])
+def test_bad_operands_name_the_argument(lhs_shape, rhs_shape, sizes, words):
+    with pytest.raises(ValueError, match=words):
+        api.ragged_dot(jnp.ones(lhs_shape), jnp.ones(rhs_shape), jnp.asarray(sizes))
+
+
 def test_default_order_lists_only_registered_backends():
     order = api.default_order()
     assert order["cpu"] == ("reference",)
@@ -355,8 +368,7 @@ def test_exported_cuda_lowering(name, case):
              jax.ShapeDtypeStruct((g,), jnp.int32))
     disabled = [export.DisabledSafetyCheck.custom_call(GPU_CALLS[0])]
     for fn, kernels in ((forward, 1), (backward, 3)):
-        exported = export.export(jax.jit(fn), platforms=["cuda"],
-                                 disabled_checks=disabled)(*avals)
+        exported = export_for_cuda(jax.jit(fn), *avals, disabled_checks=disabled)
         assert _count_gpu_kernels(exported) >= kernels, fn.__name__
 
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from cuda_export import TRITON_CUDA, export_for_cuda
 from aristax import dispatch as dispatch_lib
 from aristax import routing as routing_lib
 from aristax.config import RouterConfig
@@ -48,7 +49,6 @@ def dtype_for(backend: str):
 
 
 BACKEND_CASES = [(b, n) for b in BACKENDS for n in sorted(cases_for(b))]
-TRITON_CUDA = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
 
 
 def _inputs(T, D, E, seed=0, dtype=jnp.float32):
@@ -318,9 +318,9 @@ def test_triton_lowers_for_cuda(T, D, E, K, score, dtype):
         return out, jax.grad(lambda x: jnp.sum(route(
             x, w, top_k=K, score=score, implementation="triton", interpret=False).weights))(x)
 
-    exported = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=TRITON_CUDA)(
-        jax.ShapeDtypeStruct((T, D), dtype), jax.ShapeDtypeStruct((D, E), dtype),
-        jax.ShapeDtypeStruct((E,), jnp.float32))
+    exported = export_for_cuda(
+        jax.jit(f), jax.ShapeDtypeStruct((T, D), dtype), jax.ShapeDtypeStruct((D, E), dtype),
+        jax.ShapeDtypeStruct((E,), jnp.float32), disabled_checks=TRITON_CUDA)
     text = exported.mlir_module()
     assert text.count("custom_call @__gpu$xla.gpu.triton") >= 2  # both router kernels
     assert "route_topk" in text and "route_order" in text

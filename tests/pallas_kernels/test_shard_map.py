@@ -20,11 +20,12 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from cuda_export import TRITON_CUDA, export_for_cuda, gpu_mesh
 from aristax import MoEConfig, MoEParams
 from aristax.pallas_kernels import combine, frontdoor, moe_mlp, permute, ragged_dot, route
 from aristax.parallel import expert_parallel_moe
 
-CHECKS = {"triton": [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+CHECKS = {"triton": TRITON_CUDA,
           "mosaic_gpu": []}
 N = 8  # devices
 T, D, F, E, K = 64, 128, 128, 4, 2  # per device (Mosaic GPU combine: D % 128 == 0)
@@ -66,7 +67,7 @@ CASES = {  # id: (op, implementation, kernels the exported gradient must contain
 def test_gradient_inside_shard_map_lowers_for_cuda(case):
     op, impl, kernels = CASES[case]
     backend = impl if isinstance(impl, str) else impl[0]
-    mesh = jax.make_mesh((N,), ("e",), axis_types=(jax.sharding.AxisType.Explicit,))
+    mesh = gpu_mesh(jax.make_mesh((N,), ("e",), axis_types=(jax.sharding.AxisType.Explicit,)))
 
     def loss(x, w, order, sizes, gate, up, down):
         def local(*a):
@@ -85,8 +86,7 @@ def test_gradient_inside_shard_map_lowers_for_cuda(case):
              struct((E, D, F), bf16, P()), struct((E, D, F), bf16, P()),
              struct((E, F, D), bf16, P()))
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 4, 5, 6)))
-    text = jax.export.export(grad, platforms=["cuda"], disabled_checks=CHECKS[backend])(
-        *avals).mlir_module()
+    text = export_for_cuda(grad, *avals, disabled_checks=CHECKS[backend]).mlir_module()
     for kernel in kernels:
         assert kernel in text, kernel
 
@@ -102,8 +102,8 @@ def test_expert_parallel_layer_lowers_for_cuda_on_the_kernels(expert_perm, monke
     so ``interpret=None`` is made to resolve to compiled, as on a GPU host (where
     ``shard_map`` keeps its varying-axes check)."""
     cfg = MoEConfig(num_experts=8, top_k=2, d_model=D, d_ff=F, implementation="triton")
-    mesh = jax.make_mesh((2, 4), ("data", "expert"),
-                         axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    mesh = gpu_mesh(jax.make_mesh((2, 4), ("data", "expert"),
+                                  axis_types=(jax.sharding.AxisType.Explicit,) * 2))
     f32 = jnp.float32
     params = MoEParams(
         router_de=jax.ShapeDtypeStruct((D, 8), f32),
@@ -121,7 +121,7 @@ def test_expert_parallel_layer_lowers_for_cuda_on_the_kernels(expert_perm, monke
         return jnp.sum(y ** 2) + aux["loss"]
 
     checks = CHECKS["triton"] + [jax.export.DisabledSafetyCheck.custom_call("ragged_all_to_all")]
-    text = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1))), platforms=["cuda"],
-                             disabled_checks=checks)(x, params).mlir_module()
+    text = export_for_cuda(jax.jit(jax.grad(loss, argnums=(0, 1))), x, params,
+                           disabled_checks=checks).mlir_module()
     for kernel in ("route_topk", "moe_mlp_gate_up", "ragged_all_to_all"):
         assert kernel in text, kernel
