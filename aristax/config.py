@@ -19,10 +19,55 @@ import jax.numpy as jnp
 ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid", "expert_choice")
 ACTIVATIONS = ("swiglu", "geglu", "gelu")
 DROP_POLICIES = ("position", "probability")
+# Expert-parallel token exchanges (``aristax.parallel.collectives``).
+EXCHANGE_BACKENDS = ("padded", "ragged", "ragged_emulated", "scheduled", "hierarchical")
 
 
-def _fail(field: str, value: Any, allowed: str) -> None:
-    raise ValueError(f"MoEConfig.{field}={value!r} is invalid: {allowed}")
+def _fail(field: str, value: Any, allowed: str, owner: str = "MoEConfig") -> None:
+    raise ValueError(f"{owner}.{field}={value!r} is invalid: {allowed}")
+
+
+def _is_int(value: Any) -> bool:
+    """An integer that is not a bool (``True`` is an int in Python)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_routing(cfg: Any, owner: str) -> None:
+    """The checks ``MoEConfig`` and ``RouterConfig`` share (their routing fields)."""
+    E, K, G = cfg.num_experts, cfg.top_k, cfg.num_groups
+    if not _is_int(E) or E < 1:
+        _fail("num_experts", E, "must be a positive integer", owner)
+    if not _is_int(K) or not 1 <= K <= E:
+        _fail("top_k", K, f"must be an integer in [1, num_experts={E}]", owner)
+    if cfg.router not in ROUTERS:
+        _fail("router", cfg.router, f"choose one of {ROUTERS}", owner)
+    if not _is_int(G) or G < 1 or E % G:
+        _fail("num_groups", G, f"must be a positive integer dividing num_experts={E}", owner)
+    if not _is_int(cfg.topk_groups) or not 1 <= cfg.topk_groups <= G:
+        _fail("topk_groups", cfg.topk_groups, f"must be an integer in [1, num_groups={G}]",
+              owner)
+    if G > 1 and K > cfg.topk_groups * (E // G):
+        _fail("top_k", K, f"must be <= topk_groups * experts per group = "
+              f"{cfg.topk_groups * (E // G)} with group-limited routing", owner)
+    if G > 1 and cfg.router == "expert_choice":
+        _fail("num_groups", G, "group-limited routing needs a token-choice router; use 1",
+              owner)
+    scale = cfg.routed_scaling_factor
+    if not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
+        _fail("routed_scaling_factor", scale, "must be a finite number > 0", owner)
+
+
+def _check_implementation(value: Any) -> None:
+    """None, a kernel backend name, or a non-empty list of them."""
+    from aristax.pallas_kernels import BACKEND_NAMES  # the kernels import no config
+
+    names = [value] if isinstance(value, str) else value
+    if value is not None and (
+        not isinstance(names, Sequence) or not names
+        or any(name not in BACKEND_NAMES for name in names)
+    ):
+        _fail("implementation", value,
+              f"use None, a name or an ordered list of names from {BACKEND_NAMES}")
 
 
 def _check_dtype(field: str, value: Any) -> None:
@@ -50,6 +95,13 @@ class RouterConfig:
     topk_groups: int = 1
     routed_scaling_factor: float = 1.0
     expert_capacity_factor: float = 1.0
+
+    def __post_init__(self):
+        _check_routing(self, "RouterConfig")
+        factor = self.expert_capacity_factor
+        if not isinstance(factor, (int, float)) or not (math.isfinite(factor) and factor > 0):
+            _fail("expert_capacity_factor", factor, "must be a finite number > 0",
+                  "RouterConfig")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +157,7 @@ class MoEConfig:
         all-to-all can overlap another's experts; capacity is carried across chunks, so
         the result equals ``num_chunks=1`` (``aristax.parallel.overlap``).
       exchange_backend: expert-parallel token exchange ("padded", "ragged", ...; see
-        ``aristax.parallel.EXCHANGE_BACKENDS``); None picks it from the platform.
+        ``EXCHANGE_BACKENDS``); None picks it from the platform.
     """
 
     num_experts: int
@@ -135,33 +187,21 @@ class MoEConfig:
     exchange_backend: str | None = None
 
     def __post_init__(self):
-        for name in ("num_experts", "d_model", "d_ff"):
+        for name in ("d_model", "d_ff"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not _is_int(value) or value < 1:
                 _fail(name, value, "must be a positive integer")
-        E, K = self.num_experts, self.top_k
-        if not isinstance(K, int) or not 1 <= K <= E:
-            _fail("top_k", K, f"must be an integer in [1, num_experts={E}]")
-        if self.router not in ROUTERS:
-            _fail("router", self.router, f"choose one of {ROUTERS}")
+        _check_routing(self, "MoEConfig")
         if self.activation not in ACTIVATIONS:
             _fail("activation", self.activation, f"choose one of {ACTIVATIONS}")
         if self.drop_policy not in DROP_POLICIES:
             _fail("drop_policy", self.drop_policy, f"choose one of {DROP_POLICIES}")
-        G = self.num_groups
-        if not isinstance(G, int) or G < 1 or E % G:
-            _fail("num_groups", G, f"must be a positive integer dividing num_experts={E}")
-        if not isinstance(self.topk_groups, int) or not 1 <= self.topk_groups <= G:
-            _fail("topk_groups", self.topk_groups, f"must be an integer in [1, num_groups={G}]")
-        if G > 1 and K > self.topk_groups * (E // G):
-            _fail("top_k", K, f"must be <= topk_groups * experts per group = "
-                  f"{self.topk_groups * (E // G)} with group-limited routing")
-        if G > 1 and self.router == "expert_choice":
-            _fail("num_groups", G, "group-limited routing needs a token-choice router; use 1")
         if self.capacity_factor is not None and not (
             isinstance(self.capacity_factor, (int, float)) and self.capacity_factor > 0
+            and math.isfinite(self.capacity_factor)
         ):
-            _fail("capacity_factor", self.capacity_factor, "use None (dropless) or a number > 0")
+            _fail("capacity_factor", self.capacity_factor,
+                  "use None (dropless) or a finite number > 0")
         for name in ("bias_update_rate", "router_jitter", "lb_loss_coef",
                      "seq_aux_loss_coef", "z_loss_coef"):
             value = getattr(self, name)
@@ -172,14 +212,18 @@ class MoEConfig:
         if self.bias_update_rate > 0 and self.router == "expert_choice":
             _fail("bias_update_rate", self.bias_update_rate,
                   "aux-loss-free balancing needs a token-choice router; use 0")
-        if not isinstance(self.num_shared_experts, int) or self.num_shared_experts < 0:
+        if not _is_int(self.num_shared_experts) or self.num_shared_experts < 0:
             _fail("num_shared_experts", self.num_shared_experts, "must be an integer >= 0")
         if self.shared_d_ff is not None and (
-            not isinstance(self.shared_d_ff, int) or self.shared_d_ff < 1
+            not _is_int(self.shared_d_ff) or self.shared_d_ff < 1
         ):
             _fail("shared_d_ff", self.shared_d_ff, "use None (= d_ff) or a positive integer")
-        if not isinstance(self.num_chunks, int) or self.num_chunks < 1:
+        if not _is_int(self.num_chunks) or self.num_chunks < 1:
             _fail("num_chunks", self.num_chunks, "must be a positive integer (1 = no chunking)")
+        if self.exchange_backend is not None and self.exchange_backend not in EXCHANGE_BACKENDS:
+            _fail("exchange_backend", self.exchange_backend,
+                  f"use None (chosen from the platform) or one of {EXCHANGE_BACKENDS}")
+        _check_implementation(self.implementation)
         _check_dtype("dtype", self.dtype)
         _check_dtype("param_dtype", self.param_dtype)
 

@@ -48,12 +48,6 @@ class Dispatch:
         """int32[M] token that feeds each row."""
         return self.row_slot // self.slot.shape[1]
 
-    @property
-    def dropped_fraction(self) -> jax.Array:
-        """float32[]: dropped / routed slots (0 when nothing was routed)."""
-        return self.num_dropped.astype(jnp.float32) / jnp.maximum(self.num_routed, 1).astype(
-            jnp.float32)
-
 
 def _flat_expert_ids(routing: Routing) -> jax.Array:
     """int32[T*K] expert of each slot, E for unassigned slots (they sort last)."""

@@ -42,9 +42,72 @@ class MoEParams:
 
 
 def router_logits(x: jax.Array, router_de: jax.Array) -> jax.Array:
-    """[T, E] = x[T, D] @ router_de[D, E], in float32 (float64 for float64 x)."""
+    """[T, E] = x[T, D] @ router_de[D, E], in float32 (float64 for float64 x).
+
+    A token with a NaN or inf feature gets NaN logits (so it is routed nowhere) and
+    adds nothing to router_de's gradient: its row is zeroed before the product, since
+    in x.T @ dlogits its inf times its zero cotangent would be NaN.
+    """
     dtype = accumulation_dtype(x.dtype)
-    return jnp.dot(x.astype(dtype), router_de.astype(dtype))
+    finite = jnp.all(jnp.isfinite(x), axis=-1, keepdims=True)
+    logits = jnp.dot(jnp.where(finite, x, 0).astype(dtype), router_de.astype(dtype))
+    return jnp.where(finite, logits, jnp.nan)
+
+
+def check_tokens(x: jax.Array, config: MoEConfig) -> None:
+    """Raise a ``ValueError`` unless x is [T, D] floating with T >= 1, D = d_model."""
+    D = config.d_model
+    if x.ndim != 2 or x.shape[1] != D:
+        raise ValueError(f"x has shape {x.shape}; it must be [T, D] with D = MoEConfig."
+                         f"d_model={D} (flatten the leading dimensions: x.reshape(-1, {D}))")
+    if x.shape[0] == 0:
+        raise ValueError("x has no tokens (T=0); pass at least one row")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"x has dtype {x.dtype}; pass floating-point tokens")
+
+
+def check_inputs(
+    x: jax.Array, params: MoEParams, config: MoEConfig, *,
+    bias: jax.Array | None = None, seq_len: int | None = None,
+    num_slots: int | None = None,
+) -> None:
+    """Raise a ``ValueError`` naming the argument when x, params, bias or seq_len do
+    not fit ``config``. Shapes are static, so this runs while tracing, before XLA
+    compiles anything.
+
+    Expects x as ``check_tokens`` does; params as ``MoEParams`` for this config
+    (expert weights with ``num_slots`` rows, default E: an expert-parallel layout may
+    hold more); bias float[E]; seq_len a positive divisor of T.
+    """
+    check_tokens(x, config)
+    D, F, E = config.d_model, config.d_ff, config.num_experts
+    P, Fs, gated = num_slots or E, config.shared_width, config.activation != "gelu"
+    shared = config.num_shared_experts > 0
+    expected = {
+        "router_de": (D, E), "up_edf": (P, D, F), "down_efd": (P, F, D),
+        "gate_edf": (P, D, F) if gated else None,
+        "shared_up_df": (D, Fs) if shared else None,
+        "shared_down_fd": (Fs, D) if shared else None,
+        "shared_gate_df": (D, Fs) if shared and gated else None,
+    }
+    for name, shape in expected.items():
+        value = getattr(params, name)
+        found = None if value is None else tuple(value.shape)
+        if found != shape:
+            raise ValueError(
+                f"params.{name} has shape {found}, but MoEConfig(num_experts={E}, "
+                f"d_model={D}, d_ff={F}, activation={config.activation!r}, "
+                f"num_shared_experts={config.num_shared_experts}) needs {shape}; build the "
+                "params for this config (e.g. aristax.MoE(config, rngs=...).params())")
+    if bias is not None and tuple(bias.shape) != (E,):
+        raise ValueError(f"bias has shape {tuple(bias.shape)}; it must be [E] = ({E},), one "
+                         "selection bias per expert")
+    T = x.shape[0]
+    if seq_len is not None and (
+        not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1 or T % seq_len
+    ):
+        raise ValueError(f"seq_len={seq_len!r} must be a positive divisor of the T={T} "
+                         "tokens (or None: one sequence)")
 
 
 def make_dispatch(
@@ -94,7 +157,10 @@ def moe(
         dropped_fraction: float32[] dropped / routed assignments,
         num_dropped: int32[], nonfinite_tokens: int32[] tokens with NaN/inf logits
           (routed nowhere), router_logits: float32[T, E].
+    Raises:
+      ValueError: x, params, bias or seq_len do not fit ``config`` (``check_inputs``).
     """
+    check_inputs(x, params, config, bias=bias, seq_len=seq_len)
     router_in = x
     if jitter_rng is not None and config.router_jitter > 0:
         router_in = routing_lib.apply_jitter(x, config.router_jitter, jitter_rng)

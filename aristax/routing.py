@@ -156,7 +156,15 @@ def route(
     Returns:
       ``Routing``. Tokens whose logits are not all finite get ``mask`` False in every
       slot, weight 0 and probs 0, so they go nowhere and cannot disturb the others.
+    Raises:
+      ValueError: logits is not [T, E] or bias not [E], E = ``cfg.num_experts``.
     """
+    E = cfg.num_experts
+    if logits.ndim != 2 or logits.shape[1] != E:
+        raise ValueError(f"logits has shape {logits.shape}; route takes logits[T, E] with "
+                         f"E = RouterConfig.num_experts={E}")
+    if bias is not None and tuple(bias.shape) != (E,):
+        raise ValueError(f"bias has shape {tuple(bias.shape)}; it must be [E] = ({E},)")
     logits = logits.astype(accumulation_dtype(logits.dtype))
     finite = finite_rows(logits)  # [T]
     safe = jnp.where(finite[:, None], logits, 0.0)
@@ -221,11 +229,13 @@ def router_z_loss(logits: jax.Array, mask: jax.Array | None = None) -> jax.Array
 
     Args:
       logits: float[T, E].
-      mask: optional bool[T]; tokens with False are left out of the mean.
+      mask: optional bool[T]; tokens with False are left out of the mean, and of the
+        gradient (their logits are replaced before ``logsumexp``, whose gradient at a
+        NaN or inf logit would be NaN even times a zero cotangent).
     """
-    z = jax.nn.logsumexp(logits, axis=-1) ** 2
     if mask is None:
-        return jnp.mean(z)
+        return jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+    z = jax.nn.logsumexp(jnp.where(mask[:, None], logits, 0.0), axis=-1) ** 2
     return jnp.sum(jnp.where(mask, z, 0.0)) / jnp.maximum(jnp.sum(mask), 1).astype(z.dtype)
 
 

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-EXCHANGE_BACKENDS = ("padded", "ragged", "ragged_emulated", "scheduled", "hierarchical")
+from aristax.config import EXCHANGE_BACKENDS
 Rounds = tuple[tuple[tuple[int, int], ...], ...]
 _PLATFORM_BACKEND = {"cpu": "padded", "gpu": "ragged", "cuda": "ragged", "rocm": "ragged",
                      "tpu": "ragged"}

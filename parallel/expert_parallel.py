@@ -60,7 +60,8 @@ from aristax import dispatch as dispatch_lib
 from aristax import routing as routing_lib
 from aristax.config import MoEConfig
 from aristax.experts import dense_mlp, expert_mlp
-from aristax.moe import MoEParams, fused_experts, make_dispatch, route_tokens
+from aristax.moe import (MoEParams, check_inputs, check_tokens, fused_experts, make_dispatch,
+                         route_tokens)
 from aristax.pallas_kernels import frontdoor
 from aristax.parallel import overlap
 from aristax.parallel.collectives import check_backend, default_backend, exchange
@@ -167,7 +168,7 @@ def global_aux(routing, dispatch, num_overflow, config: MoEConfig, axes, num_sha
     mean_p = jax.lax.psum(jnp.sum(routing.probs, axis=0), axes) / T
     lb = E * jnp.sum(load.astype(dt) / T * mean_p)
     finite = jnp.all(jnp.isfinite(routing.logits), axis=-1)
-    z = jax.nn.logsumexp(routing.logits, axis=-1) ** 2
+    z = jax.nn.logsumexp(jnp.where(finite[:, None], routing.logits, 0.0), axis=-1) ** 2
     z = jax.lax.psum(jnp.sum(jnp.where(finite, z, 0.0)), axes) / jnp.maximum(
         jax.lax.psum(jnp.sum(finite, dtype=jnp.int32), axes), 1).astype(z.dtype)
     seq = sequence_loss(routing, axes, num_shards, seq_len or T)
@@ -370,7 +371,7 @@ def _resolve_mesh(mesh):
     return mesh
 
 
-def _validate(x, config, mesh, expert_axis, token_axes, seq_len, slot_of, buffer_size):
+def _validate(x, config, mesh, expert_axis, token_axes, slot_of, buffer_size):
     expert_axes = _expert_axes(expert_axis)
     if any(a not in mesh.axis_names for a in expert_axes):
         raise ValueError(f"expert_axis={expert_axis!r} is not a mesh axis {mesh.axis_names}; "
@@ -408,8 +409,6 @@ def _validate(x, config, mesh, expert_axis, token_axes, seq_len, slot_of, buffer
     if T % shards:
         raise ValueError(f"x has T={T} tokens, not a multiple of the {shards} token shards "
                          f"(mesh axes {token_axes}); pad the batch")
-    if seq_len is not None and T % seq_len:
-        raise ValueError(f"seq_len={seq_len} does not divide the T={T} tokens")
     if buffer_size is not None and (not isinstance(buffer_size, int) or buffer_size < 1):
         raise ValueError(f"buffer_size={buffer_size!r} must be a positive int or None "
                          "(worst case Tl*K)")
@@ -484,19 +483,20 @@ def expert_parallel_moe(
     if token_axes is None:
         token_axes = tuple(a for a in (DATA_AXIS,) + expert_axes if a in mesh.axis_names)
     token_axes = tuple(token_axes)
-    G, shards = _validate(x, config, mesh, expert_axis, token_axes, seq_len, expert_perm,
-                          buffer_size)
-    num_slots, slot_of, replicas = config.num_experts, None, None
-    if expert_perm is not None:
-        num_slots = len(expert_perm)
-        if num_slots == config.num_experts:
-            slot_of = inverse_permutation(expert_perm)
-        else:
-            replicas = replica_tables(expert_perm, config.num_experts)
+    check_tokens(x, config)
+    G, shards = _validate(x, config, mesh, expert_axis, token_axes, expert_perm, buffer_size)
+    num_slots = config.num_experts if expert_perm is None else len(expert_perm)
     if params.up_edf.shape[0] != num_slots:
         raise ValueError(f"params hold {params.up_edf.shape[0]} experts but the layout has "
                          f"{num_slots} physical slots; lay the weights out with "
                          "layout_experts(params, expert_perm)")
+    check_inputs(x, params, config, bias=bias, seq_len=seq_len, num_slots=num_slots)
+    slot_of, replicas = None, None
+    if expert_perm is not None:
+        if num_slots == config.num_experts:
+            slot_of = inverse_permutation(expert_perm)
+        else:
+            replicas = replica_tables(expert_perm, config.num_experts)
     backend = check_backend(backend or default_backend())
     if backend == "hierarchical" and len(expert_axes) != 2:
         raise ValueError(f"backend='hierarchical' needs expert_axis=(outer, inner), two mesh "

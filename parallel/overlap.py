@@ -57,7 +57,8 @@ from aristax import dispatch as dispatch_lib
 from aristax import routing as routing_lib
 from aristax.config import MoEConfig
 from aristax.experts import dense_mlp
-from aristax.moe import MoEParams, make_dispatch, moe_aux, routed_experts, router_logits
+from aristax.moe import (MoEParams, check_inputs, make_dispatch, moe_aux, routed_experts,
+                         router_logits)
 
 Bounds = tuple[tuple[int, int], ...]
 
@@ -197,6 +198,7 @@ def chunked_moe(
     Returns:
       (y[T, D], aux), equal to ``aristax.moe.moe(x, ...)`` including drops.
     """
+    check_inputs(x, params, config, bias=bias, seq_len=seq_len)
     bounds = chunk_bounds(x.shape[0], num_chunks)
     router_in = x
     if jitter_rng is not None and config.router_jitter > 0:

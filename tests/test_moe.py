@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import chex
 import hypothesis
@@ -192,13 +193,51 @@ def test_gradients_match_per_token_loop(case):
 @hypothesis.given(
     T=st.integers(1, 17), E=st.integers(1, 9), k_frac=st.floats(0, 1), D=st.integers(1, 9),
     F=st.integers(1, 9), cap=st.sampled_from([None, 0.5, 1.0, 2.0]), seed=st.integers(0, 99),
+    router=st.sampled_from(["softmax_topk", "topk_softmax", "sigmoid", "expert_choice"]),
 )
-def test_hypothesis_sizes(T, E, k_frac, D, F, cap, seed):
+def test_hypothesis_sizes(T, E, k_frac, D, F, cap, seed, router):
     K = 1 + int(k_frac * (E - 1))
     cfg = MoEConfig(num_experts=E, top_k=K, d_model=D, d_ff=F, capacity_factor=cap,
-                    normalize_weights=True)
+                    normalize_weights=True, router=router)
     x = jax.random.normal(jax.random.key(seed), (T, D))
     check_against_reference(cfg, x, make(cfg, seed))
+
+
+# label: (changes to moe's arguments, the error's words); x is [6, 8], params fit cfg
+BAD_INPUTS = {
+    "x too narrow": (lambda a: dict(x=a["x"][:, :7]), r"x has shape \(6, 7\).*d_model=8"),
+    "x not flat": (lambda a: dict(x=a["x"].reshape(2, 3, 8)), r"x has shape \(2, 3, 8\)"),
+    "no tokens": (lambda a: dict(x=a["x"][:0]), r"no tokens \(T=0\)"),
+    "integer x": (lambda a: dict(x=a["x"].astype(jnp.int32)), "x has dtype int32"),
+    "more experts": (lambda a: dict(config=a["config"].replace(num_experts=8)),
+                     r"params\.router_de has shape \(8, 4\).*needs \(8, 8\)"),
+    "wider experts": (lambda a: dict(config=a["config"].replace(d_ff=16)),
+                      r"params\.up_edf has shape \(4, 8, 8\).*needs \(4, 8, 16\)"),
+    "gate for gelu": (lambda a: dict(config=a["config"].replace(activation="gelu")),
+                      r"params\.gate_edf has shape \(4, 8, 8\).*needs None"),
+    "no shared experts": (lambda a: dict(config=a["config"].replace(num_shared_experts=1)),
+                          r"params\.shared_up_df has shape None.*needs \(8, 8\)"),
+    "bias": (lambda a: dict(bias=jnp.zeros(3)), r"bias has shape \(3,\)"),
+    "seq_len": (lambda a: dict(seq_len=4), "seq_len=4 must be a positive divisor of the T=6"),
+    "seq_len zero": (lambda a: dict(seq_len=0), "seq_len=0 must be a positive divisor"),
+}
+
+
+@pytest.mark.parametrize("layer", ["moe", "chunked_moe", "jit"])
+@pytest.mark.parametrize("label", sorted(BAD_INPUTS))
+def test_bad_inputs_name_the_argument(layer, label):
+    """``moe`` (also chunked, and under ``jax.jit``: the check runs while tracing)
+    rejects inputs that do not fit the config with a ValueError that names them."""
+    from aristax.parallel.overlap import chunked_moe
+
+    cfg = MoEConfig(num_experts=4, top_k=2, d_model=8, d_ff=8)
+    args = dict(x=jnp.ones((6, 8)), params=make(cfg).params(), config=cfg)
+    change, words = BAD_INPUTS[label]
+    args |= change(args)
+    forward = {"moe": moe, "chunked_moe": functools.partial(chunked_moe, num_chunks=2),
+               "jit": jax.jit(moe, static_argnames=("config", "seq_len"))}[layer]
+    with pytest.raises(ValueError, match=words):
+        forward(**args)
 
 
 @pytest.mark.parametrize("implementation, names", [

@@ -11,7 +11,8 @@ from flax import nnx
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 import moe_reference as ref
-from aristax import MoE, MoEConfig, route
+from aristax import MoE, MoEConfig, RouterConfig, route
+from aristax.moe import moe
 from aristax.routing import (
     load_balancing_loss,
     router_z_loss,
@@ -127,13 +128,38 @@ def test_router_jitter_only_in_training_and_bounded():
     check_against_reference(cfg, x, module)
 
 
-def test_load_balancing_loss_equals_hugging_face():
+@pytest.mark.parametrize("masked", [False, True])
+def test_load_balancing_loss_and_gradient_equal_hugging_face(masked):
+    """The loss and its gradient w.r.t. the logits against torch autograd through HF's
+    ``load_balancing_loss_func``; ``masked``: row_weights as HF's attention_mask."""
     T, E, K = 40, 8, 2
     logits = _logits(T, E, seed=4)
+    mask = (np.arange(T) % 5 != 0).astype(np.float32) if masked else None
     cfg = MoEConfig(num_experts=E, top_k=K, d_model=4, d_ff=4, normalize_weights=True)
-    ours = load_balancing_loss(route(logits, cfg.router_config))
-    theirs = load_balancing_loss_func((torch.tensor(np.asarray(logits)),), E, K)
-    np.testing.assert_allclose(float(ours), float(theirs), rtol=1e-5)
+
+    def ours(lg):
+        return load_balancing_loss(route(lg, cfg.router_config),
+                                   None if mask is None else jnp.asarray(mask))
+
+    loss, grad = jax.value_and_grad(ours)(logits)
+    lg_t = torch.tensor(np.asarray(logits), requires_grad=True)
+    theirs = load_balancing_loss_func(
+        (lg_t,), E, K, attention_mask=None if mask is None else torch.tensor(mask))
+    theirs.backward()
+    np.testing.assert_allclose(float(loss), float(theirs.detach()), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(grad), lg_t.grad.numpy(), rtol=1e-4, atol=1e-7)
+
+
+def test_z_loss_gradient_equals_torch():
+    """ST-MoE eq. 5 differentiated by torch autograd, with and without a token mask."""
+    logits = _logits(24, 6, seed=7)
+    mask = np.arange(24) % 4 != 1
+    for m in (None, mask):
+        grad = jax.grad(router_z_loss)(logits, None if m is None else jnp.asarray(m))
+        lg_t = torch.tensor(np.asarray(logits), requires_grad=True)
+        z = torch.logsumexp(lg_t, dim=-1) ** 2
+        (z.mean() if m is None else z[torch.tensor(m)].mean()).backward()
+        np.testing.assert_allclose(np.asarray(grad), lg_t.grad.numpy(), rtol=1e-5, atol=1e-7)
 
 
 def test_z_loss_and_sequence_loss_against_numpy():
@@ -190,6 +216,32 @@ def test_nonfinite_logits_are_reported_and_isolated():
         jax.block_until_ready(apply(make(cfg.replace(debug_checks=True)), x))
 
 
+@pytest.mark.parametrize("implementation", [None, "triton"])
+def test_nonfinite_tokens_leave_the_gradients_alone(implementation):
+    """A NaN or inf token changes no parameter gradient: the gradients of a batch with
+    two bad tokens equal those of the batch without them, through the outputs, the
+    z-loss and the load-balancing loss (whose means over T scale by (T_good/T)^2).
+    "triton" is the fused route kernel (interpreted on the CPU) with its custom_vjp."""
+    cfg = MoEConfig(num_experts=4, top_k=2, d_model=8, d_ff=8, normalize_weights=True,
+                    implementation=implementation)
+    params = make(cfg).params()
+    T, bad = 9, [4, 6]
+    good = np.setdiff1d(np.arange(T), bad)
+    x = jax.random.normal(jax.random.key(8), (T, 8))
+    x_bad = x.at[4, 0].set(jnp.inf).at[6, 2].set(jnp.nan)
+    ct = jax.random.normal(jax.random.key(9), (T, 8))
+
+    def loss(p, x, ct, lb_scale):
+        y, aux = moe(x, p, cfg)
+        return jnp.sum(y * ct) + aux["z_loss"] + lb_scale * aux["lb_loss"]
+
+    grads = jax.grad(loss)(params, x_bad, ct, 1.0)
+    expected = jax.grad(loss)(params, x[good], ct[good], (len(good) / T) ** 2)
+    for name in ("router_de", "gate_edf", "up_edf", "down_efd"):
+        np.testing.assert_allclose(getattr(grads, name), getattr(expected, name),
+                                   rtol=1e-5, atol=1e-6, err_msg=name)
+
+
 @pytest.mark.parametrize("field,kwargs", [
     ("top_k", dict(top_k=5)),
     ("top_k", dict(top_k=0)),
@@ -203,11 +255,37 @@ def test_nonfinite_logits_are_reported_and_isolated():
     ("drop_policy", dict(drop_policy="random")),
     ("dtype", dict(dtype="float17")),
     ("num_chunks", dict(num_chunks=0)),
+    ("top_k", dict(top_k=True)),
+    ("routed_scaling_factor", dict(routed_scaling_factor=-1.0)),
+    ("routed_scaling_factor", dict(routed_scaling_factor=float("nan"))),
+    ("capacity_factor", dict(capacity_factor=float("inf"))),
+    ("exchange_backend", dict(exchange_backend="bogus")),
+    ("implementation", dict(implementation="tritn")),
+    ("implementation", dict(implementation=["triton", "nope"])),
+    ("implementation", dict(implementation=[])),
 ])
 def test_bad_config_names_the_field(field, kwargs):
     base = dict(num_experts=4, top_k=2, d_model=8, d_ff=8)
     with pytest.raises(ValueError, match=rf"MoEConfig\.{field}="):
         MoEConfig(**{**base, **kwargs})
+
+
+@pytest.mark.parametrize("field,kwargs", [
+    ("router", dict(router="foo")),
+    ("top_k", dict(top_k=5)),
+    ("top_k", dict(top_k=0)),
+    ("num_groups", dict(num_groups=3)),
+    ("routed_scaling_factor", dict(routed_scaling_factor=0.0)),
+    ("expert_capacity_factor", dict(expert_capacity_factor=-2.0)),
+])
+def test_bad_router_config_names_the_field(field, kwargs):
+    with pytest.raises(ValueError, match=rf"RouterConfig\.{field}="):
+        RouterConfig(**{**dict(num_experts=4, top_k=2), **kwargs})
+
+
+def test_route_rejects_logits_of_another_expert_count():
+    with pytest.raises(ValueError, match=r"logits.*num_experts=4"):
+        route(jnp.zeros((3, 6)), RouterConfig(num_experts=4, top_k=2))
 
 
 def test_wrong_input_width_is_rejected_before_jit():

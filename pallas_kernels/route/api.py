@@ -89,14 +89,17 @@ def _route_fwd(x, w_router, bias, top_k, score, normalize, names, interpret):
 
 
 def _route_bwd(top_k, score, normalize, names, interpret, residuals, cotangents):
-    """dx = dlogits_total @ w^T, dw = x^T @ dlogits_total; the bias only selects."""
+    """dx = dlogits_total @ w^T, dw = x^T @ dlogits_total; the bias only selects.
+    Tokens with a NaN or inf feature are left out of dw (their dlogits are 0, and inf
+    times 0 would be NaN)."""
     del top_k, names, interpret
     x, w_router, bias, logits, ids = residuals
     dlogits = cotangents.logits.astype(logits.dtype) + _score_vjp(
         logits, ids, cotangents.weights, score, normalize)
     hi = jax.lax.Precision.HIGHEST
     dx = jnp.dot(dlogits, w_router.astype(logits.dtype).T, precision=hi)
-    dw = jnp.dot(x.astype(logits.dtype).T, dlogits, precision=hi)
+    x_finite = jnp.where(jnp.all(jnp.isfinite(x), axis=-1, keepdims=True), x, 0)
+    dw = jnp.dot(x_finite.astype(logits.dtype).T, dlogits, precision=hi)
     dbias = None if bias is None else jnp.zeros_like(bias)
     return dx.astype(x.dtype), dw.astype(w_router.dtype), dbias
 

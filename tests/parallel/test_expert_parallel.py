@@ -69,7 +69,8 @@ def plan_perm(shape, E):
 
 
 CASES = {
-    # id: (mesh shape, config changes, backend, use the plan's expert permutation)
+    # id: (mesh shape, config changes, backend, use the plan's expert permutation
+    #      [, the expert every token picks first])
     "1x8_top1_dropless": ((1, 8), dict(num_experts=8, top_k=1), "padded", False),
     "2x4_top2_dropless_plan_shared": (
         (2, 4), dict(num_experts=16, top_k=2, normalize_weights=True, num_shared_experts=1,
@@ -88,7 +89,23 @@ CASES = {
     "2x4_top2_dropless_plan_triton": (
         (2, 4), dict(num_experts=8, top_k=2, implementation="triton", num_shared_experts=1),
         "padded", True),
+    # hard cases: one device receives every token (the default buffer, Tl*K rows per
+    # source, must hold them), every expert on every token, and the capacity drops of
+    # a full expert
+    "2x4_top1_dropless_all_on_one_expert": ((2, 4), dict(num_experts=8, top_k=1),
+                                            "ragged_emulated", False, 5),
+    "1x8_top8_dropless_k_equals_e": ((1, 8), dict(num_experts=8, top_k=8,
+                                                  normalize_weights=True), "padded", False),
+    "2x4_top2_capacity_all_on_one_expert": (
+        (2, 4), dict(num_experts=8, top_k=2, capacity_factor=1.0), "padded", False, 3),
 }
+
+
+def steer_to(x, params, expert):
+    """Feature 0 of every token set to 5 and router row 0 pushing ``expert`` by 6: every
+    token picks ``expert`` first."""
+    return x.at[:, 0].set(5.0), dataclasses.replace(
+        params, router_de=params.router_de.at[0, expert].set(6.0))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -96,11 +113,13 @@ def test_matches_single_device_layer(case, kernel_calls):
     """Output, aux and gradients against the single-device layer on the reference path.
     On kernels the layer's ``shard_map`` runs with JAX's varying-axes check off (Pallas
     interpret mode fails it), and the kernels it names must really run."""
-    shape, changes, backend, use_plan = CASES[case]
+    shape, changes, backend, use_plan, *steered = CASES[case]
     cfg = MoEConfig(d_model=D, d_ff=F, **changes)
     mesh = make_mesh(shape, explicit=shape != (1, 8))
     params = make_params(cfg)
     x = jax.random.normal(jax.random.key(1), (T, D))
+    if steered:
+        x, params = steer_to(x, params, steered[0])
     ct = jax.random.normal(jax.random.key(2), (T, D))
     perm = None
     ep_params = params
@@ -138,6 +157,10 @@ def test_matches_single_device_layer(case, kernel_calls):
                                   np.asarray(aux_glob["router_logits"]))
     assert int(aux["num_dropped"]) == dropped and int(aux["num_overflow"]) == 0
     np.testing.assert_allclose(float(aux["dropped_fraction"]), dropped / routed, rtol=1e-6)
+    if steered:
+        assert int(aux["expert_load"][steered[0]]) == T
+    if cfg.top_k == cfg.num_experts:
+        np.testing.assert_array_equal(np.asarray(aux["expert_load"]), [T] * cfg.top_k)
 
     # Gradients w.r.t. x and every parameter.
     if perm is not None:
@@ -279,3 +302,11 @@ def test_errors_name_the_argument():
         expert_parallel_moe(x, make_params(cfg), cfg, mesh, backend="nccl")
     with pytest.raises(ValueError, match="needs a mesh"):
         expert_parallel_moe(x, make_params(cfg), cfg)
+    with pytest.raises(ValueError, match=rf"x has shape \(2, 32, {D}\).*\[T, D\]"):
+        expert_parallel_moe(x.reshape(2, 32, D), make_params(cfg), cfg, mesh)
+    with pytest.raises(ValueError, match=rf"x has shape \({T}, {D - 1}\).*d_model={D}"):
+        expert_parallel_moe(x[:, 1:], make_params(cfg), cfg, mesh)
+    with pytest.raises(ValueError, match="seq_len=5 must be a positive divisor"):
+        expert_parallel_moe(x, make_params(cfg), cfg, mesh, seq_len=5)
+    with pytest.raises(ValueError, match="params hold 16 experts"):
+        expert_parallel_moe(x, make_params(cfg.replace(num_experts=16)), cfg, mesh)
