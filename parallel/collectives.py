@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from aristax.config import EXCHANGE_BACKENDS
+
 Rounds = tuple[tuple[tuple[int, int], ...], ...]
 _PLATFORM_BACKEND = {"cpu": "padded", "gpu": "ragged", "cuda": "ragged", "rocm": "ragged",
                      "tpu": "ragged"}
