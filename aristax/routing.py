@@ -229,14 +229,21 @@ def router_z_loss(logits: jax.Array, mask: jax.Array | None = None) -> jax.Array
 
     Args:
       logits: float[T, E].
-      mask: optional bool[T]; tokens with False are left out of the mean, and of the
-        gradient (their logits are replaced before ``logsumexp``, whose gradient at a
-        NaN or inf logit would be NaN even times a zero cotangent).
+      mask: optional bool[T]; tokens with False are left out of the mean and of the
+        gradient (``masked_z``).
     """
     if mask is None:
         return jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+    z = masked_z(logits, mask)
+    return jnp.sum(z) / jnp.maximum(jnp.sum(mask), 1).astype(z.dtype)
+
+
+def masked_z(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """float[T]: logsumexp(logits)^2 per token, 0 (value and gradient) where mask[T] is
+    False; masked logits are replaced before ``logsumexp``, whose gradient at a NaN or
+    inf logit would be NaN even times a zero cotangent."""
     z = jax.nn.logsumexp(jnp.where(mask[:, None], logits, 0.0), axis=-1) ** 2
-    return jnp.sum(jnp.where(mask, z, 0.0)) / jnp.maximum(jnp.sum(mask), 1).astype(z.dtype)
+    return jnp.where(mask, z, 0.0)
 
 
 def update_balance_bias(bias: jax.Array, expert_load: jax.Array, rate: float) -> jax.Array:

@@ -168,9 +168,8 @@ def global_aux(routing, dispatch, num_overflow, config: MoEConfig, axes, num_sha
     mean_p = jax.lax.psum(jnp.sum(routing.probs, axis=0), axes) / T
     lb = E * jnp.sum(load.astype(dt) / T * mean_p)
     finite = jnp.all(jnp.isfinite(routing.logits), axis=-1)
-    z = jax.nn.logsumexp(jnp.where(finite[:, None], routing.logits, 0.0), axis=-1) ** 2
-    z = jax.lax.psum(jnp.sum(jnp.where(finite, z, 0.0)), axes) / jnp.maximum(
-        jax.lax.psum(jnp.sum(finite, dtype=jnp.int32), axes), 1).astype(z.dtype)
+    z = jax.lax.psum(jnp.sum(routing_lib.masked_z(routing.logits, finite)), axes)
+    z = z / jnp.maximum(jax.lax.psum(jnp.sum(finite, dtype=jnp.int32), axes), 1).astype(z.dtype)
     seq = sequence_loss(routing, axes, num_shards, seq_len or T)
     routed = jax.lax.psum(dispatch.num_routed, axes)
     dropped = jax.lax.psum(dispatch.num_dropped + num_overflow, axes)
