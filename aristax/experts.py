@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from aristax.config import accumulation_dtype
-from aristax.pallas_kernels import ragged_dot
+from aristax.pallas_kernels import frontdoor, ragged_dot
+from aristax.pallas_kernels.ragged_dot import api as ragged_dot_api
 from aristax.pallas_kernels.moe_mlp.reference import hidden as _hidden
 
 
@@ -37,11 +38,16 @@ def expert_mlp(
         rows (rows past the sum give zeros).
       group_sizes: int32[E].
       gate_edf: [E, D, F] (None for "gelu"). up_edf: [E, D, F]. down_efd: [E, F, D].
+      implementation: the layer's rule, as for its other ops: each GEMM runs on the
+        first ``ragged_dot`` backend named that serves it, else on the reference
+        (None: the platform's default choice).
     Returns:
       [M, D] in the accumulation dtype (float32, or float64 for float64 rows).
     """
     dtype = rows.dtype
     acc = accumulation_dtype(dtype)
+    if implementation is not None:
+        implementation = frontdoor.with_reference(implementation, ragged_dot_api.BACKENDS)
 
     def gemm(lhs, rhs):
         return ragged_dot(lhs, rhs.astype(dtype), group_sizes,

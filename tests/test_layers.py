@@ -143,6 +143,24 @@ def _assert_ran(kernel_calls, implementation, kernels):
     assert kernels <= ran and ("moe_mlp" in ran) == ("moe_mlp" in kernels), dict(kernel_calls)
 
 
+def _layer_results(implementation, dtype, x):
+    """(y, aux loss, parameter gradient leaves) of the layer on ``implementation``."""
+    module = MoE(_layer_config(implementation, dtype, x.shape[-1]), rngs=nnx.Rngs(0))
+    (_, (y, aux)), grads = nnx.jit(nnx.value_and_grad(_layer_loss(x), has_aux=True))(module)
+    return y, aux["loss"], jax.tree.leaves(nnx.to_pure_dict(grads))
+
+
+def _assert_same_layer(kernel, reference, dtype):
+    (y_k, l_k, g_k), (y_r, l_r, g_r) = kernel, reference
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == "bfloat16" else dict(rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(y_k, np.float32), np.asarray(y_r, np.float32), **tol)
+    np.testing.assert_allclose(float(l_k), float(l_r), rtol=1e-5)
+    for a, b in zip(g_k, g_r):
+        scale = float(np.max(np.abs(np.asarray(b, np.float32)))) or 1.0
+        np.testing.assert_allclose(np.asarray(a, np.float32) / scale,
+                                   np.asarray(b, np.float32) / scale, **tol)
+
+
 @pytest.mark.parametrize("implementation,dtype,d_model,kernels", KERNEL_LAYERS)
 def test_moe_module_runs_on_each_kernel_implementation(implementation, dtype, d_model,
                                                      kernels, kernel_calls):
@@ -150,20 +168,8 @@ def test_moe_module_runs_on_each_kernel_implementation(implementation, dtype, d_
     on CPU) gives the reference layer's output, aux loss and parameter gradients, and
     runs the kernels it should (the fused ``moe_mlp`` where it serves)."""
     x = jax.random.normal(jax.random.key(3), (2, 8, d_model), dtype)
-    results = {}
-    for impl in ("reference", implementation):
-        module = MoE(_layer_config(impl, dtype, d_model), rngs=nnx.Rngs(0))
-        (_, (y, aux)), grads = nnx.jit(nnx.value_and_grad(_layer_loss(x), has_aux=True))(
-            module)
-        results[impl] = (y, aux["loss"], nnx.to_pure_dict(grads))
-    tol = dict(rtol=2e-2, atol=2e-2) if dtype == "bfloat16" else dict(rtol=1e-4, atol=1e-5)
-    (y_r, l_r, g_r), (y_k, l_k, g_k) = results["reference"], results[implementation]
-    np.testing.assert_allclose(np.asarray(y_k, np.float32), np.asarray(y_r, np.float32), **tol)
-    np.testing.assert_allclose(float(l_k), float(l_r), rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(g_k), jax.tree.leaves(g_r)):
-        scale = float(np.max(np.abs(np.asarray(b, np.float32)))) or 1.0
-        np.testing.assert_allclose(np.asarray(a, np.float32) / scale,
-                                   np.asarray(b, np.float32) / scale, **tol)
+    _assert_same_layer(_layer_results(implementation, dtype, x),
+                       _layer_results("reference", dtype, x), dtype)
     _assert_ran(kernel_calls, implementation, kernels)
 
 
@@ -177,3 +183,13 @@ def test_moe_module_traces_onto_the_fused_kernel(implementation, dtype, d_model,
     (_, (y, _)), _ = nnx.eval_shape(nnx.value_and_grad(_layer_loss(x), has_aux=True), module)
     assert y.shape == x.shape
     _assert_ran(kernel_calls, implementation, kernels)
+
+
+def test_layer_falls_back_to_the_reference_where_a_named_backend_refuses(kernel_calls):
+    """Mosaic GPU's grouped GEMM refuses float32, as does its route kernel: the layer
+    runs those ops on the reference (the rule its permute and combine follow) and
+    equals the reference layer, value and gradients. The list form of the name too."""
+    x = jax.random.normal(jax.random.key(4), (2, 8, 64))
+    _assert_same_layer(_layer_results(["mosaic_gpu"], "float32", x),
+                       _layer_results("reference", "float32", x), "float32")
+    assert "ragged_dot" not in kernel_calls["mosaic_gpu"], dict(kernel_calls)
