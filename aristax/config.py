@@ -224,6 +224,9 @@ class MoEConfig:
             _fail("exchange_backend", self.exchange_backend,
                   f"use None (chosen from the platform) or one of {EXCHANGE_BACKENDS}")
         _check_implementation(self.implementation)
+        if isinstance(self.implementation, Sequence) and not isinstance(self.implementation, str):
+            # a list (from a YAML config, say) as a tuple: the config must stay hashable
+            object.__setattr__(self, "implementation", tuple(self.implementation))
         _check_dtype("dtype", self.dtype)
         _check_dtype("param_dtype", self.param_dtype)
 

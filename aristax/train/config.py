@@ -54,7 +54,8 @@ class ModelConfig:
     seq_aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.001
     dtype: str = "float32"
-    implementation: Optional[str] = None
+    # a kernel backend name or an ordered list of names (see MoEConfig.implementation)
+    implementation: Optional[Any] = None
 
 
 @dataclasses.dataclass

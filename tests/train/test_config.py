@@ -30,6 +30,14 @@ def test_file_then_overrides_win(tmp_path):
     assert cfg.out_dir == f"runs/{cfg.name}"  # interpolation resolved
 
 
+def test_implementation_is_a_name_or_an_ordered_list(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  implementation: [mosaic_gpu, triton]\n")
+    assert moe_config(load_config(path).model).implementation == ("mosaic_gpu", "triton")
+    cfg = load_config(None, ["model.implementation=triton"])
+    assert moe_config(cfg.model).implementation == "triton"
+
+
 @pytest.mark.parametrize("text,overrides,key", [
     ("stepz: 3\n", [], "stepz"),                        # unknown key in a file
     ("", ["model.d_modle=3"], "d_modle"),               # unknown key on the command line
@@ -39,6 +47,7 @@ def test_file_then_overrides_win(tmp_path):
     ("", ["steps=3", "steps=4"], "steps"),              # set twice on the command line
     ("", ["steps=0"], "steps"),                         # out of range
     ("", ["model.top_k=9"], "top_k"),                   # invalid model (top_k > E)
+    ("", ["model.implementation=[trion]"], "implementation"),  # unknown backend
 ])
 def test_errors_name_the_key(tmp_path, text, overrides, key):
     path = tmp_path / "bad.yaml"
