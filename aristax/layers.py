@@ -111,11 +111,16 @@ class MoE(nnx.Module):
         self.jitter_rngs = rngs.fork() if config.router_jitter > 0 else None
         self.deterministic = False
         if plan is not None:
-            self._apply_plan(plan)
+            self.apply_plan(plan)
 
-    def _apply_plan(self, plan) -> None:
+    def apply_plan(self, plan) -> None:
+        """Carry out ``plan`` (as ``plan=`` does) on a layer built without one, whose
+        experts are in logical order (e.g. just loaded from a checkpoint): store them in
+        the plan's physical slots and take its expert-parallel options."""
         from aristax.parallel import expert_parallel_options, layout_experts
 
+        if self.ep_options is not None:
+            raise ValueError("this MoE already carries a plan; build a new layer for another")
         if self.mesh is None:
             raise ValueError("MoE(plan=...) needs mesh=mesh_from_plan(plan, devices)")
         if plan.num_experts != self.config.num_experts:

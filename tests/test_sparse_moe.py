@@ -27,7 +27,7 @@ def run_and_compare(cfg: MoEConfig, x, router_de=None, bias=None, seed=0):
     p = {"router_de": router_de, "gate_edf": module.experts.gate_edf[...],
          "up_edf": module.experts.up_edf[...], "down_efd": module.experts.down_efd[...]}
     y, logits = jax.jit(sparse_moe.sparse_moe, static_argnums=(3, 4))(
-        x, router_de, sparse_moe.expert_weights(module.experts), cfg.router_config,
+        x, router_de, sparse_moe.expert_weights(module.params()), cfg.router_config,
         cfg.activation, bias=bias)
     pl = ref.plan(x, router_de, cfg, bias=None if bias is None else np.asarray(bias))
     np.testing.assert_allclose(np.asarray(y), ref.forward(x, p, cfg, pl), rtol=2e-5,

@@ -129,12 +129,15 @@ def _set(param: nnx.Variable, array: np.ndarray, dtype) -> None:
     param.set_value(jnp.asarray(np.ascontiguousarray(array), dtype))
 
 
-def load_pretrained(directory: str | os.PathLike, *, dtype: str | None = None) -> Mixtral:
+def load_pretrained(directory: str | os.PathLike, *, dtype: str | None = None, mesh=None,
+                    plan=None) -> Mixtral:
     """Read a Hugging Face Mixtral directory into a ``Mixtral`` (in eval mode).
 
     Args:
       directory: holds config.json and the safetensors file(s).
       dtype: parameter dtype (default: ``MixtralConfig.dtype``, "float32").
+      mesh, plan: as for ``Mixtral(...)``: expert parallelism over ``mesh``, the
+        experts (logical in the checkpoint) stored in ``plan``'s physical order.
     Raises:
       CheckpointError: a tensor is missing or its shape differs; the message names
         the tensor, its expected and its found shape.
@@ -146,7 +149,7 @@ def load_pretrained(directory: str | os.PathLike, *, dtype: str | None = None) -
     overrides = {} if dtype is None else {"dtype": dtype}
     cfg = MixtralConfig.from_hf(json.loads(config_path.read_text()), **overrides)
     reader = _Reader(directory)
-    model = nnx.eval_shape(lambda: Mixtral(cfg, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Mixtral(cfg, rngs=nnx.Rngs(0), mesh=mesh))
     V, D, dt = cfg.vocab_size, cfg.hidden_size, cfg.dtype
     H, G, Dh, E = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, \
         cfg.num_local_experts
@@ -174,6 +177,9 @@ def load_pretrained(directory: str | os.PathLike, *, dtype: str | None = None) -
         _set(layer.moe.experts.up_edf, up, dt)
         _set(layer.moe.experts.down_efd, down, dt)
     _check_all_set(model)
+    if plan is not None:
+        for layer in model.layers:
+            layer.moe.apply_plan(plan)
     unused = reader.unused()
     if unused:
         warnings.warn(f"{len(unused)} tensors in {directory} were not used: {unused[:8]}",
@@ -215,9 +221,9 @@ def hf_tensors(model: Mixtral) -> dict[str, np.ndarray]:
             out[f"{p}.self_attn.{name}.weight"] = arr(param).T
         m = f"{p}.block_sparse_moe"
         out[f"{m}.gate.weight"] = arr(layer.moe.router.weight_de).T
-        ex = layer.moe.experts
+        ex = layer.moe.logical_params()  # a plan's physical slots back in expert order
         for w, param in (("w1", ex.gate_edf), ("w3", ex.up_edf), ("w2", ex.down_efd)):
-            stacked = arr(param)
+            stacked = np.asarray(param)
             for e in range(cfg.num_local_experts):
                 out[f"{m}.experts.{e}.{w}.weight"] = stacked[e].T
     return {k: np.ascontiguousarray(v) for k, v in out.items()}

@@ -435,9 +435,9 @@ class DecoderLayer(nnx.Module):
         return h + y.astype(h.dtype), logits, kv, aux
 
     def decode_weights(self) -> LayerDecodeWeights:
-        """This layer's ``LayerDecodeWeights`` (copies; experts None where
-        ``sparse_moe.supports`` rejects the MoE config)."""
-        experts = (sparse_moe.expert_weights(self.moe.experts)
+        """This layer's ``LayerDecodeWeights`` (copies, experts in logical order; experts
+        None where ``sparse_moe.supports`` rejects the MoE config)."""
+        experts = (sparse_moe.expert_weights(self.moe.logical_params())
                    if sparse_moe.supports(self.moe.config) else None)
         return LayerDecodeWeights(*self.attn.decode_weights(), experts=experts)
 
@@ -557,11 +557,12 @@ class Mixtral(nnx.Module):
 
     # ----------------------------------------------------------------- checkpoints
     @classmethod
-    def from_pretrained(cls, directory, *, dtype: str | None = None) -> Mixtral:
+    def from_pretrained(cls, directory, *, dtype: str | None = None, mesh=None,
+                        plan=None) -> Mixtral:
         """Load a local Hugging Face Mixtral directory (see ``aristax.models.hf``)."""
         from aristax.models import hf
 
-        return hf.load_pretrained(directory, dtype=dtype)
+        return hf.load_pretrained(directory, dtype=dtype, mesh=mesh, plan=plan)
 
     def save_pretrained(self, directory, *, max_shard_bytes: int | None = None) -> None:
         """Write config.json + safetensors that ``transformers`` loads."""

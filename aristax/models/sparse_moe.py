@@ -75,13 +75,14 @@ CPU_MULTIPLY_SUM_ROWS = 64
 ExpertWeights = tuple[Sequence[jax.Array], Sequence[jax.Array]]
 
 
-def expert_weights(experts) -> ExpertWeights:
-    """``ExpertWeights`` of an ``aristax.MoE``'s gated experts module (stacked
-    gate_edf, up_edf [E, D, F], down_efd [E, F, D]): per expert gate|up [2F, D] and
-    down [D, F], new arrays (make them once, outside ``jit``)."""
-    gate_up = jnp.concatenate([experts.gate_edf[...], experts.up_edf[...]], axis=2)
+def expert_weights(params) -> ExpertWeights:
+    """``ExpertWeights`` of gated experts in logical order (an ``aristax.MoEParams``,
+    e.g. ``MoE.logical_params()``: gate_edf, up_edf [E, D, F], down_efd [E, F, D]): per
+    expert gate|up [2F, D] and down [D, F], new arrays (make them once, outside
+    ``jit``)."""
+    gate_up = jnp.concatenate([params.gate_edf, params.up_edf], axis=2)
     return (tuple(jnp.asarray(w.T) for w in gate_up),
-            tuple(jnp.asarray(w.T) for w in experts.down_efd[...]))
+            tuple(jnp.asarray(w.T) for w in params.down_efd))
 
 
 def supports(config) -> bool:

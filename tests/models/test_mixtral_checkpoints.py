@@ -1,5 +1,6 @@
 """Reading Hugging Face checkpoints in both expert layouts, sharded or not, and the
-errors for missing or mis-shaped tensors; MixtralConfig <-> config.json."""
+errors for missing or mis-shaped tensors; MixtralConfig <-> config.json; a model that
+carries out a placement plan reads and writes experts in logical order."""
 
 from __future__ import annotations
 
@@ -9,13 +10,17 @@ import shutil
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 import transformers
-from mixtral_cases import hf_logits
+from mixtral_cases import CASES, hf_logits, make_hf
 from safetensors.numpy import load_file, save_file
 from safetensors.torch import save_file as torch_save_file
 
-from aristax.models import Mixtral, MixtralConfig, forward
+from aristax.models import Mixtral, MixtralConfig, forward, generate
 from aristax.models.hf import CheckpointError
+from aristax.parallel import mesh_from_plan
+from aristax.planner import ModelSpec, make_plan
+from aristax.planner.topology import uniform
 
 B, S = 3, 13  # the forward shape of test_mixtral_parity: compiled once per model
 
@@ -128,3 +133,39 @@ def test_saved_config_is_plain_json(small_pair, tmp_path):
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["architectures"] == ["MixtralForCausalLM"]
     assert cfg["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "default"}
+
+
+def test_planned_model_loads_and_saves_experts_in_logical_order(tmp_path):
+    """A skewed plan stores the 8 experts in physical slots (replicas, empty slots) on
+    a 2 x 4 mesh. ``from_pretrained(mesh=, plan=)`` places the checkpoint's logical
+    experts; the expert-parallel forward and ``generate`` (its decode weights) equal
+    Hugging Face; ``save_pretrained`` writes them back in logical order."""
+    hf = make_hf(CASES["top1_e8_mha"])
+    hf.save_pretrained(tmp_path / "hf")
+    load = tuple(float(v) for v in np.geomspace(1.0, 40.0, 8))
+    plan = make_plan(uniform(8), ModelSpec(num_experts=8, expert_load=load, top_k=1),
+                     groups=[[0, 1, 2, 3], [4, 5, 6, 7]])
+    planned = Mixtral.from_pretrained(tmp_path / "hf", mesh=mesh_from_plan(plan), plan=plan)
+    slots = planned.layers[0].moe.experts.up_edf[...]
+    logical = planned.layers[0].moe.logical_params().up_edf
+    assert slots.shape[0] > 8 or not np.array_equal(np.asarray(slots), np.asarray(logical)), \
+        "the plan kept the logical order; pick a more skewed load"
+
+    ids = np.random.default_rng(3).integers(3, hf.config.vocab_size, size=(2, 24))
+    np.testing.assert_allclose(np.asarray(forward(planned, jnp.asarray(ids)).logits),
+                               hf_logits(hf, ids).logits.numpy(), rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor(ids), max_new_tokens=8, do_sample=False)
+    np.testing.assert_array_equal(np.asarray(generate(planned, ids, 8)), theirs.numpy())
+
+    planned.save_pretrained(tmp_path / "back")
+    saved, original = load_file(tmp_path / "back" / "model.safetensors"), {
+        k: v.numpy() for k, v in hf.state_dict().items()}
+    for e in range(8):
+        name = f"model.layers.1.block_sparse_moe.experts.{e}.w2.weight"
+        fused = original["model.layers.1.mlp.experts.down_proj"][e]
+        np.testing.assert_array_equal(saved[name], fused, err_msg=name)
+    back = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "back",
+                                                           attn_implementation="eager")
+    np.testing.assert_array_equal(hf_logits(back.eval(), ids).logits.numpy(),
+                                  hf_logits(hf, ids).logits.numpy())
