@@ -146,6 +146,8 @@ class MoE(nnx.Module):
         return layout_experts(self.params(), options["expert_perm"], inverse=True)
 
     def params(self) -> MoEParams:
+        """The layer's weights as arrays, experts as stored ([E, ...], or a plan's
+        [P, ...] physical slots)."""
         shared = self.shared_experts
         return MoEParams(
             router_de=self.router.weight_de[...],
@@ -205,7 +207,8 @@ class MoE(nnx.Module):
         return moe
 
     def update_balance_bias(self, expert_load: jax.Array) -> None:
-        """Aux-loss-free balancing step from the last step's ``aux["expert_load"]``."""
+        """Aux-loss-free balancing step from the last step's ``aux["expert_load"]``
+        (int32[E], assignments routed to each expert before drops)."""
         if self.router.balance_bias_e is None:
             raise ValueError(
                 "update_balance_bias needs MoEConfig.bias_update_rate > 0 (it is 0)"
@@ -234,7 +237,8 @@ def _raise_if_nonfinite(count: jax.Array) -> None:
 def moe_linen(config: MoEConfig, *, name: str | None = None):
     """The ``MoE`` layer as a Flax Linen module (through ``flax.nnx.bridge``).
 
-    Use inside a Linen model: ``y, aux = moe_linen(cfg)(x)``; its parameters live in
-    the "params" collection, and ``init`` needs a "params" RNG.
+    Use inside a Linen model: ``y, aux = moe_linen(cfg)(x)`` with x [..., D] and y
+    [..., D] (as ``MoE``); its parameters live in the "params" collection, and ``init``
+    needs a "params" RNG.
     """
     return bridge.to_linen(MoE, config, name=name)
