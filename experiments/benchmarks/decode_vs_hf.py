@@ -199,14 +199,14 @@ def active_gemvs(weights, top_k: int) -> list:
     return mats + [weights.head_vd]
 
 
-def gemv_floor(weights, top_k: int, reps=10) -> dict:
-    """The same GEMV shapes as a decode step, and nothing else: a dependent chain over
-    ``active_gemvs`` (each product's input is built from the last output, so nothing
-    reorders or overlaps across layers; the K experts of a layer are independent, as in
-    the step). Timed in JAX (one jitted call on the model's own decode weights) and in
-    torch (zero-copy views of the same buffers); best of ``reps`` each. This is the
-    bandwidth the model's shapes get here, where the roofline's one 268 MB product
-    streams fastest."""
+def gemv_floor_probe(weights, top_k: int):
+    """A function ``floor(reps) -> dict``: the same GEMV shapes as a decode step, and
+    nothing else: a dependent chain over ``active_gemvs`` (each product's input is built
+    from the last output, so nothing reorders or overlaps across layers; the K experts
+    of a layer are independent, as in the step). Timed in JAX (one jitted call on the
+    model's own decode weights) and in torch (zero-copy views of the same buffers); best
+    of ``reps`` each. This is the bandwidth the model's shapes get here, where the
+    roofline's one 268 MB product streams fastest."""
     mats = active_gemvs(weights, top_k)
     per_layer = 2 + 2 * top_k
     nbytes = sum(m.nbytes for m in mats)
@@ -232,14 +232,18 @@ def gemv_floor(weights, top_k: int, reps=10) -> dict:
         tm = [torch.from_numpy(np.asarray(m)).to(TORCH_DEVICE) for m in mats]
         tv = torch.from_numpy(np.asarray(v).copy()).to(TORCH_DEVICE)
         forms["torch"] = lambda: (chain(tm, tv, torch.nn.functional.silu), torch_wait())
-    res = {"bytes": nbytes, "forms": {}}
-    for name, fn in forms.items():
-        best, med = _best_and_median(fn, reps)
-        res["forms"][name] = {"best_ms": 1e3 * best, "median_ms": 1e3 * med,
-                              "gb_per_s_best": nbytes / best / 1e9}
-    res["fastest"] = min(res["forms"], key=lambda k: res["forms"][k]["best_ms"])
-    res["ms"] = res["forms"][res["fastest"]]["best_ms"]
-    return res
+
+    def floor(reps: int) -> dict:
+        res = {"bytes": nbytes, "forms": {}}
+        for name, fn in forms.items():
+            best, med = _best_and_median(fn, reps)
+            res["forms"][name] = {"best_ms": 1e3 * best, "median_ms": 1e3 * med,
+                                  "gb_per_s_best": nbytes / best / 1e9}
+        res["fastest"] = min(res["forms"], key=lambda k: res["forms"][k]["best_ms"])
+        res["ms"] = res["forms"][res["fastest"]]["best_ms"]
+        return res
+
+    return floor
 
 
 def build(cfg: MixtralConfig, seed: int = 0) -> Mixtral:
@@ -272,30 +276,36 @@ def ours_decode(model, prompt, new_tokens, weights, repeats=2) -> dict:
     return res
 
 
-def paired_windows(model, prompt, weights, cfg, probe, windows: int, tokens: int,
+def paired_windows(model, prompt, weights, cfg, probe, floor, windows: int, tokens: int,
                    reps: int = 5) -> dict:
     """Our batch-1 decode against a roofline measured around it, ``windows`` times: the
     GEMV bandwidth (``probe``, best of ``reps`` per form) just before and just after a
     ``tokens``-token decode, the window's roofline from the higher of the two (the
-    stricter ceiling) and the bytes of a cache of prompt + ``tokens``. This machine's
+    stricter ceiling) and the bytes of a cache of prompt + ``tokens``; and the GEMV
+    floor (``floor``, best of ``reps``) just before the decode. This machine's
     bandwidth swings by a third within seconds (other tenants), which a roofline taken
-    a minute away from the decode mistakes for our speed; a window's two measurements
-    lie under a second apart."""
+    a minute away from the decode mistakes for our speed; a window's measurements lie
+    under a second apart. ``gemv_floor_over_roofline`` is the share of the gap that the
+    model's shapes alone cost."""
     nbytes = weight_bytes_per_token(cfg, prompt.shape[1] + tokens)
     generate_with_stats(model, prompt, tokens, decode_weights=weights)  # compile
     rows = []
     for _ in range(windows):
         before = probe(reps)["gb_per_s_best"]
+        floor_ms = floor(reps)["ms"]
         step_s = generate_with_stats(model, prompt, tokens, decode_weights=weights)[1].step_s
         gb_per_s = max(before, probe(reps)["gb_per_s_best"])
         roofline, ms = 1e3 * nbytes / (gb_per_s * 1e9), 1e3 * float(np.median(step_s))
         rows.append({"gb_per_s": gb_per_s, "roofline_ms": roofline, "ours_ms_median": ms,
-                     "ours_over_roofline": ms / roofline})
-    ratio = [r["ours_over_roofline"] for r in rows]
-    return {"tokens": tokens, "reps": reps, "bytes_per_token": nbytes,
-            **{f"ours_over_roofline_{name}": float(np.percentile(ratio, q))
-               for name, q in (("p25", 25), ("median", 50), ("p75", 75))},
-            "windows": rows}
+                     "gemv_floor_ms": floor_ms, "ours_over_roofline": ms / roofline,
+                     "gemv_floor_over_roofline": floor_ms / roofline,
+                     "ours_over_gemv_floor": ms / floor_ms})
+    res = {"tokens": tokens, "reps": reps, "bytes_per_token": nbytes}
+    for key in ("ours_over_roofline", "gemv_floor_over_roofline", "ours_over_gemv_floor"):
+        ratio = [r[key] for r in rows]
+        res.update({f"{key}_{name}": float(np.percentile(ratio, q))
+                    for name, q in (("p25", 25), ("median", 50), ("p75", 75))})
+    return {**res, "windows": rows}
 
 
 def hf_decode(hf, prompt, new_tokens) -> dict:
@@ -428,17 +438,18 @@ def main(args):
     # windows below, under a second apart). First compile both steps at this cache length.
     generate_with_stats(model, prompt, args.new_tokens, decode_weights=weights)
     probe = bandwidth_probe()
+    floor = gemv_floor_probe(weights, cfg.num_experts_per_tok)
     rounds = []
     for r in range(args.rounds):
         log(f"round {r + 1}/{args.rounds}: bandwidth, aristax decode, HF decode ...")
         bw = probe(30)
         roofline = 1e3 * nbytes / (bw["gb_per_s_best"] * 1e9)
-        floor = gemv_floor(weights, cfg.num_experts_per_tok)
+        fl = floor(10)
         ours = ours_decode(model, prompt, args.new_tokens, weights, repeats=1)
         rnd = {"bandwidth": bw, "roofline_ms": roofline, "ours": strip(ours),
-               **ratios("ours", ours, roofline), "gemv_floor": floor,
-               "gemv_floor_ms": floor["ms"],
-               "ours_over_gemv_floor_median": ours["ms_per_token_median"] / floor["ms"]}
+               **ratios("ours", ours, roofline), "gemv_floor": fl,
+               "gemv_floor_ms": fl["ms"],
+               "ours_over_gemv_floor_median": ours["ms_per_token_median"] / fl["ms"]}
         if hf is not None:
             ref = hf_decode(hf, prompt, args.new_tokens)
             same = (ours["tokens"] == ref["tokens"])[0]
@@ -460,11 +471,12 @@ def main(args):
     if args.windows:
         log(f"{args.windows} paired windows of bandwidth, {args.window_tokens}-token decode, "
             "bandwidth ...")
-        paired = paired_windows(model, prompt, weights, cfg, probe, args.windows,
+        paired = paired_windows(model, prompt, weights, cfg, probe, floor, args.windows,
                                 args.window_tokens)
         result["decode_b1_paired"] = paired
-        log("  ours/roofline p25 {ours_over_roofline_p25:.3f} median "
-            "{ours_over_roofline_median:.3f} p75 {ours_over_roofline_p75:.3f}".format(**paired))
+        for key in ("ours_over_roofline", "gemv_floor_over_roofline", "ours_over_gemv_floor"):
+            log(f"  {key}: p25 {paired[key + '_p25']:.3f} median "
+                f"{paired[key + '_median']:.3f} p75 {paired[key + '_p75']:.3f}")
 
     if args.batch:
         log(f"batch {args.batch} decode ...")
