@@ -32,6 +32,11 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_finite_positive(value: Any) -> bool:
+    """A finite number > 0."""
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
 def _check_routing(cfg: Any, owner: str) -> None:
     """The checks ``MoEConfig`` and ``RouterConfig`` share (their routing fields)."""
     E, K, G = cfg.num_experts, cfg.top_k, cfg.num_groups
@@ -53,7 +58,7 @@ def _check_routing(cfg: Any, owner: str) -> None:
         _fail("num_groups", G, "group-limited routing needs a token-choice router; use 1",
               owner)
     scale = cfg.routed_scaling_factor
-    if not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
+    if not _is_finite_positive(scale):
         _fail("routed_scaling_factor", scale, "must be a finite number > 0", owner)
 
 
@@ -99,7 +104,7 @@ class RouterConfig:
     def __post_init__(self):
         _check_routing(self, "RouterConfig")
         factor = self.expert_capacity_factor
-        if not isinstance(factor, (int, float)) or not (math.isfinite(factor) and factor > 0):
+        if not _is_finite_positive(factor):
             _fail("expert_capacity_factor", factor, "must be a finite number > 0",
                   "RouterConfig")
 
@@ -196,10 +201,7 @@ class MoEConfig:
             _fail("activation", self.activation, f"choose one of {ACTIVATIONS}")
         if self.drop_policy not in DROP_POLICIES:
             _fail("drop_policy", self.drop_policy, f"choose one of {DROP_POLICIES}")
-        if self.capacity_factor is not None and not (
-            isinstance(self.capacity_factor, (int, float)) and self.capacity_factor > 0
-            and math.isfinite(self.capacity_factor)
-        ):
+        if self.capacity_factor is not None and not _is_finite_positive(self.capacity_factor):
             _fail("capacity_factor", self.capacity_factor,
                   "use None (dropless) or a finite number > 0")
         for name in ("bias_update_rate", "router_jitter", "lb_loss_coef",

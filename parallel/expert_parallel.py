@@ -167,7 +167,7 @@ def global_aux(routing, dispatch, num_overflow, config: MoEConfig, axes, num_sha
     load = jax.lax.psum(routing.expert_load(), axes)
     mean_p = jax.lax.psum(jnp.sum(routing.probs, axis=0), axes) / T
     lb = E * jnp.sum(load.astype(dt) / T * mean_p)
-    finite = jnp.all(jnp.isfinite(routing.logits), axis=-1)
+    finite = routing_lib.finite_rows(routing.logits)
     z = jax.lax.psum(jnp.sum(routing_lib.masked_z(routing.logits, finite)), axes)
     z = z / jnp.maximum(jax.lax.psum(jnp.sum(finite, dtype=jnp.int32), axes), 1).astype(z.dtype)
     seq = sequence_loss(routing, axes, num_shards, seq_len or T)

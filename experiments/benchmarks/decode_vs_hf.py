@@ -151,6 +151,17 @@ def _best_and_median(fn, reps: int) -> tuple[float, float]:
     return min(times), float(np.median(times))
 
 
+def _time_forms(forms: dict, nbytes: int, reps: int) -> dict:
+    """Each form (a callable that reads ``nbytes`` of weights) timed, best and median of
+    ``reps``, and the fastest form."""
+    res = {}
+    for name, fn in forms.items():
+        best, med = _best_and_median(fn, reps)
+        res[name] = {"best_ms": 1e3 * best, "median_ms": 1e3 * med,
+                     "gb_per_s_best": nbytes / best / 1e9, "gb_per_s_median": nbytes / med / 1e9}
+    return {"forms": res, "fastest": min(res, key=lambda k: res[k]["best_ms"])}
+
+
 def bandwidth_probe(rows=4096, cols=16384):
     """A function ``probe(reps) -> dict``: GB/s of a float32 matrix-vector product over
     a [rows, cols] weight (best of ``reps``), in every form at hand: jax.jit ``v @ w`` and
@@ -173,13 +184,7 @@ def bandwidth_probe(rows=4096, cols=16384):
         forms["torch v@w"] = lambda: (tv @ tw, torch_wait())
 
     def probe(reps: int) -> dict:
-        res = {"shape": [rows, cols], "forms": {}}
-        for name, fn in forms.items():
-            best, med = _best_and_median(fn, reps)
-            res["forms"][name] = {"best_ms": 1e3 * best, "median_ms": 1e3 * med,
-                                  "gb_per_s_best": w.nbytes / best / 1e9,
-                                  "gb_per_s_median": w.nbytes / med / 1e9}
-        res["fastest"] = max(res["forms"], key=lambda k: res["forms"][k]["gb_per_s_best"])
+        res = {"shape": [rows, cols], **_time_forms(forms, w.nbytes, reps)}
         res["gb_per_s_best"] = res["forms"][res["fastest"]]["gb_per_s_best"]
         return res
 
@@ -234,12 +239,7 @@ def gemv_floor_probe(weights, top_k: int):
         forms["torch"] = lambda: (chain(tm, tv, torch.nn.functional.silu), torch_wait())
 
     def floor(reps: int) -> dict:
-        res = {"bytes": nbytes, "forms": {}}
-        for name, fn in forms.items():
-            best, med = _best_and_median(fn, reps)
-            res["forms"][name] = {"best_ms": 1e3 * best, "median_ms": 1e3 * med,
-                                  "gb_per_s_best": nbytes / best / 1e9}
-        res["fastest"] = min(res["forms"], key=lambda k: res["forms"][k]["best_ms"])
+        res = {"bytes": nbytes, **_time_forms(forms, nbytes, reps)}
         res["ms"] = res["forms"][res["fastest"]]["best_ms"]
         return res
 
