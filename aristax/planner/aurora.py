@@ -54,15 +54,20 @@ def _traffic(traffic, name: str = "traffic") -> np.ndarray:
     return d
 
 
-def _bandwidth(bandwidth, n: int) -> np.ndarray:
+def _bandwidth(bandwidth, n: int, name: str = "bandwidth") -> np.ndarray:
     if bandwidth is None:
         return np.ones(n)
     b = np.asarray(bandwidth, dtype=np.float64)
     if b.ndim == 0:
         b = np.full(n, float(b))
     if b.shape != (n,) or not np.all(np.isfinite(b)) or np.any(b <= 0):
-        raise ValueError(f"bandwidth must be a positive scalar or one value per GPU ({n}).")
+        raise ValueError(f"{name} must be a positive scalar or one value per GPU ({n}).")
     return b
+
+
+def _all_equal(u, v) -> bool:
+    """u == v up to float rounding, whatever the units (no absolute tolerance)."""
+    return bool(np.allclose(u, v, rtol=1e-12, atol=0.0))
 
 
 def _time_matrix(d: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -259,11 +264,11 @@ def schedule_all_to_all(traffic, bandwidth=None, *, max_rounds: int | None = Non
     d = _traffic(traffic)
     n = d.shape[0]
     b = _bandwidth(bandwidth, n)
+    if max_rounds is not None and max_rounds < 1:
+        raise ValueError(f"max_rounds must be >= 1, got {max_rounds}.")
     lb = lower_bound(d, b)
     if n == 0 or not d.any():
         return Schedule((), lb)
-    if max_rounds is not None and max_rounds < 1:
-        raise ValueError(f"max_rounds must be >= 1, got {max_rounds}.")
     t = _time_matrix(d, b)
     scale = np.minimum(b[:, None], b[None, :])
     rounds = _bvn_rounds(t)
@@ -289,8 +294,8 @@ def assign_experts(expert_load: Sequence[float], gpu_speed: Sequence[float]) -> 
     speed = np.asarray(gpu_speed, dtype=np.float64)
     if load.ndim != 1 or speed.shape != load.shape:
         raise ValueError(f"expert_load and gpu_speed must be 1-D of equal length, got {load.shape}, {speed.shape}.")
-    if np.any(speed <= 0) or np.any(load < 0):
-        raise ValueError("gpu_speed must be positive and expert_load non-negative.")
+    if not (np.all(np.isfinite(speed)) and np.all(np.isfinite(load))) or np.any(speed <= 0) or np.any(load < 0):
+        raise ValueError("gpu_speed must be finite and positive, expert_load finite and non-negative.")
     experts = np.argsort(-load, kind="stable")
     gpus = np.argsort(-speed, kind="stable")
     out = np.empty(len(load), dtype=np.int64)
@@ -338,6 +343,8 @@ def bottleneck_matching(weights: np.ndarray) -> tuple[np.ndarray, float]:
     n = w.shape[0]
     if w.shape != (n, n):
         raise ValueError(f"weights must be square, got {w.shape}.")
+    if n == 0:
+        return np.zeros(0, dtype=np.int64), 0.0
     values = np.unique(w)
     lo, hi = 0, len(values) - 1
     best = None
@@ -373,9 +380,9 @@ def colocate(model_a, model_b, gpu_speed=None, *, compute_per_unit: float = 1.0)
     a, b = _send_recv(model_a, "model_a"), _send_recv(model_b, "model_b")
     w = pair_weights(model_a, model_b)
     n = len(a)
-    homogeneous = gpu_speed is None or np.allclose(np.asarray(gpu_speed, dtype=np.float64),
-                                                   float(np.asarray(gpu_speed, dtype=np.float64).ravel()[0]))
-    case1 = np.allclose(a[:, 0], a[:, 1]) and np.allclose(b[:, 0], b[:, 1])
+    speed = None if gpu_speed is None else _bandwidth(gpu_speed, n, "gpu_speed")
+    homogeneous = speed is None or _all_equal(speed, speed[:1])
+    case1 = _all_equal(a[:, 0], a[:, 1]) and _all_equal(b[:, 0], b[:, 1])
     if case1:
         ia = np.argsort(a[:, 0], kind="stable")
         ib = np.argsort(-b[:, 0], kind="stable")
@@ -388,7 +395,6 @@ def colocate(model_a, model_b, gpu_speed=None, *, compute_per_unit: float = 1.0)
         method = "case2"
     if homogeneous:
         return Colocation(tuple(partner.tolist()), tuple(range(n)), value, method)
-    speed = _bandwidth(gpu_speed, n)
     recv = a[:, 1] + b[partner, 1]
     cost = _pair_time(w[np.arange(n), partner], recv, speed, compute_per_unit)
     gpu, value = bottleneck_matching(cost)
@@ -404,7 +410,7 @@ def colocation_cost(model_a, model_b, partner, gpu, gpu_speed, *, compute_per_un
     h = w[np.arange(n), partner]
     if gpu_speed is None:
         return float(h.max())
-    speed = _bandwidth(gpu_speed, n)
+    speed = _bandwidth(gpu_speed, n, "gpu_speed")
     recv = a[:, 1] + b[partner, 1]
     return float(((h + compute_per_unit * recv) / speed[gpu]).max())
 
@@ -416,9 +422,9 @@ def brute_force_colocation(model_a, model_b, gpu_speed=None, *, compute_per_unit
     n = len(a)
     perms = np.array(list(itertools.permutations(range(n))), dtype=np.int64).reshape(-1, n)
     rows = np.arange(n)
-    if gpu_speed is None or np.allclose(gpu_speed, np.ravel(gpu_speed)[0]):
+    speed = None if gpu_speed is None else _bandwidth(gpu_speed, n, "gpu_speed")
+    if speed is None or _all_equal(speed, speed[:1]):
         return float(w[rows, perms].max(1).min())
-    speed = _bandwidth(gpu_speed, n)
     best = np.inf
     for p in perms:
         h = w[rows, p] + compute_per_unit * (a[:, 1] + b[p, 1])  # [n] pair totals

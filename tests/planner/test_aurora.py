@@ -86,6 +86,13 @@ def test_rejects_bad_input():
         aurora.schedule_all_to_all(-np.ones((2, 2)))
     with pytest.raises(ValueError, match="bandwidth"):
         aurora.lower_bound(np.ones((2, 2)), [1.0, 0.0])
+    with pytest.raises(ValueError, match="max_rounds"):
+        aurora.schedule_all_to_all(np.zeros((2, 2)), max_rounds=0)
+    with pytest.raises(ValueError, match="expert_load"):
+        aurora.assign_experts([1.0, np.nan], [1.0, 1.0])
+    for speed in ([0.0, 0.0], [-1.0, -1.0], [1.0, 1.0, 1.0]):  # equal speeds are checked too
+        with pytest.raises(ValueError, match="gpu_speed"):
+            aurora.colocate(np.ones((2, 2)), np.ones((2, 2)), speed)
 
 
 def test_heterogeneous_bound_not_reachable_one_peer_at_a_time():
@@ -147,10 +154,10 @@ def test_assign_experts_matches_brute_force():
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.integers(0, 10_000), st.integers(1, 7), st.booleans())
-def test_colocation_equals_brute_force(seed, n, symmetric):
-    rng = np.random.default_rng(seed)
-    a, b = rng.uniform(0, 10, (n, n)), rng.uniform(0, 10, (n, n))
+@given(st.integers(0, 10_000), st.integers(1, 7), st.booleans(), st.sampled_from([1.0, 1e-9, 1e9]))
+def test_colocation_equals_brute_force(seed, n, symmetric, unit):
+    rng = np.random.default_rng(seed)  # unit: traffic in seconds or bytes picks the same case
+    a, b = rng.uniform(0, 10, (n, n)) * unit, rng.uniform(0, 10, (n, n)) * unit
     if symmetric:  # Case I: every GPU sends what it receives
         a, b = a + a.T, b + b.T
     c = aurora.colocate(a, b)
@@ -164,6 +171,8 @@ def test_bottleneck_matching_small():
     w = np.array([[1, 9], [2, 3]], float)
     perm, v = aurora.bottleneck_matching(w)
     assert perm.tolist() == [0, 1] and v == 3
+    perm, v = aurora.bottleneck_matching(np.zeros((0, 0)))
+    assert perm.shape == (0,) and v == 0.0
 
 
 HETERO_RATIOS = []
