@@ -20,6 +20,7 @@ instructions of Fig. 8a); k = 1 costs exactly the serial sum, with no overhead.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Sequence
 
 import networkx as nx
@@ -34,6 +35,14 @@ class Instr:
     kind: str
     time: float
     deps: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_time(f"Instr {self.name!r}: time", self.time)
+
+
+def _check_time(what: str, value) -> None:
+    if not (value >= 0.0) or value == float("inf"):
+        raise ValueError(f"{what} must be a finite time >= 0 s, got {value!r}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,9 +121,7 @@ class Op:
 
     def __post_init__(self) -> None:
         for field in ("compute", "a2a"):
-            v = getattr(self, field)
-            if not (v >= 0.0) or v == float("inf"):
-                raise ValueError(f"Op {self.name!r}: {field} must be a finite time >= 0 s, got {v!r}.")
+            _check_time(f"Op {self.name!r}: {field}", getattr(self, field))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,12 +205,11 @@ def plan_partitions(ops: Sequence[Op], max_partitions: int = 8, *, overhead: flo
     the optimum T(N) (backtracked) in op order.
     """
     ops = list(ops)
-    if max_partitions < 1:
-        raise ValueError(f"max_partitions must be >= 1, got {max_partitions}.")
-    if max_range is not None and max_range < 1:
-        raise ValueError(f"max_range must be >= 1 op or None, got {max_range}.")
-    if overhead < 0:
-        raise ValueError(f"overhead must be >= 0 s, got {overhead}.")
+    if not isinstance(max_partitions, numbers.Integral) or max_partitions < 1:
+        raise ValueError(f"max_partitions must be an integer >= 1, got {max_partitions!r}.")
+    if max_range is not None and (not isinstance(max_range, numbers.Integral) or max_range < 1):
+        raise ValueError(f"max_range must be an integer >= 1 (ops) or None, got {max_range!r}.")
+    _check_time("overhead", overhead)
     n_ops = len(ops)
     best = [0.0] + [float("inf")] * n_ops
     choice: list[tuple[int, int]] = [(0, 1)] * (n_ops + 1)

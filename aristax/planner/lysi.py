@@ -92,8 +92,20 @@ class Workload:
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"Workload.{name} must be a positive integer, got {value!r}.")
-        if self.recompute < 0 or self.eta <= 0:
-            raise ValueError("Workload.recompute must be >= 0 and Workload.eta > 0.")
+        if not (self.recompute >= 0 and self.eta > 0 and np.isfinite([self.recompute, self.eta]).all()):
+            raise ValueError(f"Workload.recompute must be finite and >= 0 and Workload.eta finite "
+                             f"and > 0, got recompute={self.recompute!r}, eta={self.eta!r}.")
+        if self.global_batch is not None and (not isinstance(self.global_batch, (int, np.integer))
+                                              or self.global_batch < 1):
+            raise ValueError(f"Workload.global_batch must be a positive integer or None "
+                             f"(one micro-batch per device), got {self.global_batch!r}.")
+        f, ar = self.flops_per_token, self.allreduce_bytes
+        if f is not None and not (np.isfinite(f) and f > 0):
+            raise ValueError(f"Workload.flops_per_token must be finite and > 0, or None "
+                             f"(6 d_model d_ff), got {f!r}.")
+        if ar is not None and not (np.isfinite(ar) and ar >= 0):
+            raise ValueError(f"Workload.allreduce_bytes must be finite and >= 0, or None "
+                             f"(the device's share of the expert weights), got {ar!r}.")
 
     @property
     def a2a_bytes(self) -> float:
@@ -370,6 +382,8 @@ def lysi_group(
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}.")
+    if not isinstance(chunk, (int, np.integer)) or chunk < 1:
+        raise ValueError(f"chunk (edges scanned per batch) must be a positive integer, got {chunk!r}.")
     total_cap = int(topology.expert_capacity.sum())
     if total_cap < workload.num_experts:
         raise ValueError(

@@ -39,7 +39,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from aristax.planner import aurora, lancet
-from aristax.planner.lysi import Workload, lysi_assign, lysi_group
+from aristax.planner.lysi import POLICIES, Workload, lysi_assign, lysi_group
 from aristax.planner.replication import replicate_experts
 from aristax.planner.topology import Topology
 
@@ -191,18 +191,23 @@ class Plan:
         return cls.from_dict(json.loads(text))
 
 
+def _check_groups(groups, num_devices: int) -> None:
+    """groups must be non-empty lists of device ids that partition range(num_devices)."""
+    if not groups or any(len(g) == 0 for g in groups):
+        raise ValueError("groups must be non-empty lists of device ids.")
+    flat = [int(d) for g in groups for d in g]
+    bad = [d for d in flat if not 0 <= d < num_devices]
+    if bad:
+        raise ValueError(f"groups name device ids {bad[:5]} outside range(num_devices={num_devices}).")
+    if sorted(flat) != list(range(num_devices)):
+        raise ValueError(f"groups must partition range({num_devices}): every device in exactly one group.")
+
+
 def _validate(p: Plan) -> None:
     v, e = p.num_devices, p.num_experts
     if v < 1 or e < 1:
         raise ValueError(f"num_devices ({v}) and num_experts ({e}) must be >= 1.")
-    flat = [d for g in p.groups for d in g]
-    if not p.groups or any(len(g) == 0 for g in p.groups):
-        raise ValueError("groups must be non-empty lists of device ids.")
-    bad = [d for d in flat if not 0 <= d < v]
-    if bad:
-        raise ValueError(f"groups name device ids {bad[:5]} outside range(num_devices={v}).")
-    if sorted(flat) != list(range(v)):
-        raise ValueError(f"groups must partition range({v}): every device in exactly one group.")
+    _check_groups(p.groups, v)
     n_g = len(p.groups)
     for name in ("placement", "replicas", "schedules"):
         if len(getattr(p, name)) != n_g:
@@ -394,6 +399,10 @@ def make_plan(
         raise ValueError(f"assign must be 'lysi' or 'random', got {assign!r}.")
     if select not in ("best", "lysi"):
         raise ValueError(f"select must be 'best' or 'lysi', got {select!r}.")
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}.")
+    if groups is not None:
+        _check_groups(groups, topology.num_devices)
     kwargs = dict(policy=policy, assign=assign, seed=seed, max_partitions=max_partitions,
                   partition_overhead=partition_overhead)
     if groups is not None:

@@ -171,3 +171,10 @@ def test_partition_errors():
         Op("a", compute=-1.0)
     with pytest.raises(ValueError, match="max_range"):
         plan_partitions([Op("a", 1.0)], max_range=0)
+    with pytest.raises(ValueError, match="max_partitions"):
+        plan_partitions([Op("a", 1.0)], max_partitions=2.5)
+    with pytest.raises(ValueError, match="overhead"):
+        plan_partitions([Op("a", 1.0)], overhead=float("nan"))
+    for t in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="time"):
+            Instr("w", "wgrad", t)

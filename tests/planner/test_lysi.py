@@ -94,9 +94,16 @@ def test_merge_accepted_array_matches_scalar(triples, policy):
     assert vec.tolist() == [merge_accepted(policy, *map(float, row)) for row in t]
 
 
-def test_bad_policy():
+def test_bad_arguments():
     with pytest.raises(ValueError, match="policy"):
         lysi_group(perlmutter(1), Workload(num_experts=8), policy="greedy")
+    for chunk in (0, -1):  # a chunk < 1 never advanced the edge scan (hung)
+        with pytest.raises(ValueError, match="chunk"):
+            lysi_group(perlmutter(1), Workload(num_experts=8), chunk=chunk)
+    for field, value in (("recompute", float("nan")), ("eta", float("nan")), ("global_batch", 0),
+                         ("flops_per_token", -1.0), ("allreduce_bytes", -1.0)):
+        with pytest.raises(ValueError, match=f"Workload.{field}"):
+            Workload(num_experts=8, **{field: value})
 
 
 # ------------------------------------------------------------------ cost model

@@ -103,3 +103,12 @@ def test_validation_errors():
         make_plan(top, ModelSpec(num_experts=6), groups=[[0], [1, 2, 3]])
     with pytest.raises(ValueError, match="select"):
         make_plan(top, model, select="fastest")
+    with pytest.raises(ValueError, match="policy"):
+        make_plan(top, model, groups=[[0, 1], [2, 3]], policy="bogus")
+    # given groups are checked before any placement work
+    with pytest.raises(ValueError, match="non-empty"):
+        make_plan(top, model, groups=[])
+    with pytest.raises(ValueError, match="outside range"):
+        make_plan(top, model, groups=[[0, 1], [2, 9]])
+    with pytest.raises(ValueError, match="exactly one group"):
+        make_plan(top, model, groups=[[0, 1], [1, 2, 3]])
