@@ -467,7 +467,41 @@ class Assignment:
         return {x: w for w, xs in enumerate(self.experts) for x in xs}
 
 
-def lysi_assign(flops: Sequence[float], capacity: Sequence[int], expert_costs: Sequence[float]) -> Assignment:
+def _improve_assignment(owner: np.ndarray, load: np.ndarray, mem: np.ndarray, f: np.ndarray,
+                        c: np.ndarray, max_moves: int = 10_000) -> None:
+    """Local search after Alg. 2, in place: while some move of one of the bottleneck
+    worker's experts to a free slot, or swap with another worker's expert, brings both
+    workers it touches below the bottleneck's finish time, apply the best such move.
+    Memory is kept (a swap is slot-neutral); each move lowers the sorted vector of
+    finish times, so the search ends. owner[X] worker ids; load, mem, f: [W]; c: [X].
+    """
+    for _ in range(max_moves):
+        t = load / f
+        h = int(np.argmax(t))
+        xs = np.flatnonzero(owner == h)
+        ys = np.flatnonzero(owner != h)
+        free = np.flatnonzero((mem > 0) & (np.arange(f.size) != h))
+        # candidates: (x, y) swaps and (x, worker p) moves; cost given away by h and taken by p
+        p = np.concatenate([owner[ys], free])  # [Y + P]
+        back = np.concatenate([c[ys], np.zeros(free.size)])  # what p gives to h
+        delta = c[xs][:, None] - back[None, :]  # [Xh, Y + P]
+        worst = np.maximum((load[h] - delta) / f[h], (load[p][None, :] + delta) / f[p][None, :])
+        if worst.size == 0 or worst.min() >= t[h] * (1 - 1e-12):
+            return
+        i, j = np.unravel_index(np.argmin(worst), worst.shape)
+        x, q = xs[i], p[j]
+        load[h] -= delta[i, j]
+        load[q] += delta[i, j]
+        owner[x] = q
+        if j < ys.size:
+            owner[ys[j]] = h
+        else:
+            mem[q] -= 1
+            mem[h] += 1
+
+
+def lysi_assign(flops: Sequence[float], capacity: Sequence[int], expert_costs: Sequence[float], *,
+                improve: bool = True) -> Assignment:
     """LysiAssign (Aristos Alg. 2; notes Alg. 3): best-fit round robin under memory.
 
     Shapes: flops[W] FLOP/s, capacity[W] experts that fit, expert_costs[X] FLOPs.
@@ -482,6 +516,10 @@ def lysi_assign(flops: Sequence[float], capacity: Sequence[int], expert_costs: S
        Each leftover expert (larger than every remaining budget), largest first, goes
        to the worker in the rotation that finishes it earliest, (load_j + f_x) / F_j,
        ties to the earlier worker in the rotation (LPT on uniform machines).
+    4. ``improve`` (not in Alg. 2; False gives the paper's result): a local search of
+       moves and swaps that lower the makespan (:func:`_improve_assignment`). Alg. 2
+       alone can be several times the optimum when memory binds: a fast worker with
+       one slot takes a mid-size expert and the largest lands on a slow worker.
     Every expert is assigned exactly once; raises ValueError if sum(capacity) < X.
     """
     f = np.asarray(flops, dtype=np.float64)
@@ -525,6 +563,13 @@ def lysi_assign(flops: Sequence[float], capacity: Sequence[int], expert_costs: S
         mem[j] -= 1
         if mem[j] == 0:
             rotation.remove(j)
+    owner = np.empty(c.size, dtype=np.int64)
+    for j, xs in enumerate(assigned):
+        owner[xs] = j
+    if improve and c.size:
+        _improve_assignment(owner, load, mem, f, c)
+        load = np.bincount(owner, weights=c, minlength=f.size)  # exact sums, no drift
     makespan = float((load / f).max())
     lb = max(total / float(f.sum()), (float(c.max()) / float(f.max())) if c.size else 0.0)
-    return Assignment(tuple(tuple(sorted(a)) for a in assigned), tuple(float(x) for x in load), makespan, lb)
+    experts = tuple(tuple(np.flatnonzero(owner == j).tolist()) for j in range(f.size))
+    return Assignment(experts, tuple(float(x) for x in load), makespan, lb)

@@ -175,9 +175,6 @@ def test_bottleneck_matching_small():
     assert perm.shape == (0,) and v == 0.0
 
 
-HETERO_RATIOS = []
-
-
 @settings(max_examples=15, deadline=None)
 @given(st.integers(0, 10_000), st.integers(2, 5))
 def test_heterogeneous_colocation_vs_brute_force(seed, n):
@@ -192,7 +189,6 @@ def test_heterogeneous_colocation_vs_brute_force(seed, n):
     assert got == pytest.approx(c.bottleneck)
     best = aurora.brute_force_colocation(a, b, speed)
     assert got >= best * (1 - 1e-12)
-    HETERO_RATIOS.append(got / best)
 
 
 def test_inference_time_exclusive_eq3():
