@@ -129,10 +129,23 @@ def _expand(mask: jax.Array, like: jax.Array) -> jax.Array:
 
 def rounds_from_schedule(schedule) -> Rounds:
     """Rounds of (src, dst) pairs from an ``aristax.planner.aurora.Schedule`` (local
-    indices, ``plan.schedules[g]``); self-sends and empty rounds are left out."""
-    rounds = tuple(tuple((int(i), int(j)) for i, j, _ in r.sends if i != j)
-                   for r in schedule.rounds)
-    return tuple(r for r in rounds if r)
+    indices, ``plan.schedules[g]``).
+
+    Aurora may split a pair's traffic over several rounds; the exchange moves a pair's
+    whole block at once, so each pair is kept only in the round that carries most of
+    its traffic (a subset of a partial permutation is one). Self-sends and rounds left
+    empty are dropped.
+    """
+    best: dict[tuple[int, int], tuple[float, int]] = {}
+    for n, r in enumerate(schedule.rounds):
+        for i, j, amount in r.sends:
+            pair = (int(i), int(j))
+            if pair[0] != pair[1] and (pair not in best or amount > best[pair][0]):
+                best[pair] = (float(amount), n)
+    rounds: list[list[tuple[int, int]]] = [[] for _ in schedule.rounds]
+    for pair, (_, n) in sorted(best.items()):
+        rounds[n].append(pair)
+    return tuple(tuple(r) for r in rounds if r)
 
 
 def complete_rounds(rounds: Rounds | None, num_devices: int) -> Rounds:
@@ -142,7 +155,8 @@ def complete_rounds(rounds: Rounds | None, num_devices: int) -> Rounds:
       rounds: tuple of rounds, each a tuple of (src, dst) with src != dst in
         [0, G), no source or destination twice in a round; None = no rounds.
     Returns:
-      rounds covering every ordered pair (i, j), i != j, at least once.
+      rounds covering every ordered pair (i, j), i != j, exactly once (a pair given
+      again in a later round is left out there; rounds left empty are dropped).
     """
     G = num_devices
     rounds = tuple(tuple((int(i), int(j)) for i, j in r) for r in (rounds or ()))
@@ -154,7 +168,14 @@ def complete_rounds(rounds: Rounds | None, num_devices: int) -> Rounds:
         if any(not (0 <= i < G and 0 <= j < G) or i == j for i, j in r):
             raise ValueError(f"schedule round {n} {r} names a self-send or a device outside "
                              f"range({G}); use local indices on the exchange axis")
-    covered = {p for r in rounds for p in r}
+    covered: set[tuple[int, int]] = set()
+    unique = []
+    for r in rounds:
+        r = tuple(p for p in r if p not in covered)
+        covered.update(r)
+        if r:
+            unique.append(r)
+    rounds = tuple(unique)
     extra = []
     for shift in range(1, G):
         missing = tuple((i, (i + shift) % G) for i in range(G) if (i, (i + shift) % G) not in covered)

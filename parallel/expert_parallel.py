@@ -23,7 +23,9 @@ The expert axis may be a pair of mesh axes, e.g. ("node", "local") on a
 "local" then "node"; every result equals the flat ("data", "expert") mesh's.
 
 Semantics, compared with the single-device ``aristax.moe.moe`` on the whole batch:
-  * Dropless (``capacity_factor=None``): identical outputs, gradients and aux. The
+  * Dropless (``capacity_factor=None``): identical outputs, gradients and aux (in
+    float32; with a 16-bit ``dtype`` the expert outputs travel back in that dtype, so
+    results may differ from ``moe``'s by rounding). The
     exchange buffer defaults to B = Tl*K, the worst case (every assignment of a
     source going to one device), so nothing can overflow. A smaller
     ``buffer_size`` trades memory for overflow: rows past B for a destination
@@ -332,6 +334,21 @@ def _expert_axes(expert_axis) -> tuple[str, ...]:
     return axes
 
 
+def _token_axes(mesh, expert_axis, token_axes) -> tuple[str, ...]:
+    """``token_axes`` as a tuple; None: "data" if the mesh has it, then the expert axes."""
+    if token_axes is None:
+        return tuple(dict.fromkeys(
+            a for a in (DATA_AXIS,) + _expert_axes(expert_axis) if a in mesh.axis_names))
+    return (token_axes,) if isinstance(token_axes, str) else tuple(token_axes)
+
+
+def tokens_per_shard(num_tokens: int, mesh, expert_axis=EXPERT_AXIS, token_axes=None) -> int:
+    """Tl: how many of ``num_tokens`` tokens each shard of ``expert_parallel_moe`` holds
+    (``expert_axis`` and ``token_axes`` as there)."""
+    axes = _token_axes(mesh, expert_axis, token_axes)
+    return num_tokens // int(np.prod([mesh.shape[a] for a in axes if a in mesh.axis_names]))
+
+
 def _param_specs(params: MoEParams, expert_axis) -> MoEParams:
     def spec(name):
         if getattr(params, name) is None:
@@ -379,6 +396,10 @@ def _validate(x, config, mesh, expert_axis, token_axes, slot_of, buffer_size):
     if missing:
         raise ValueError(f"token_axes={token_axes} name axes {missing} missing from the mesh "
                          f"{mesh.axis_names}")
+    if len(set(token_axes)) != len(token_axes) or not set(expert_axes) <= set(token_axes):
+        raise ValueError(f"token_axes={token_axes} must be distinct mesh axes that include the "
+                         f"expert axes {expert_axes} (each expert-parallel rank routes its own "
+                         "tokens); e.g. token_axes=None: ('data',) + the expert axes")
     if config.router == "expert_choice":
         raise ValueError("MoEConfig.router='expert_choice' picks tokens over the whole batch; "
                          "expert_parallel_moe supports token-choice routers only")
@@ -393,6 +414,9 @@ def _validate(x, config, mesh, expert_axis, token_axes, slot_of, buffer_size):
     E = config.num_experts
     if slot_of is not None:  # expert_perm: the physical -> logical map
         phys = np.asarray(slot_of).reshape(-1)
+        if phys.size and not np.issubdtype(phys.dtype, np.integer):
+            raise ValueError(f"expert_perm must hold integer expert ids (or EMPTY_SLOT="
+                             f"{EMPTY_SLOT}), got dtype {phys.dtype}")
         held = sorted(set(phys.tolist()) - {EMPTY_SLOT})
         if phys.size < E or phys.size % G or held != list(range(E)) or phys.min() < EMPTY_SLOT:
             raise ValueError(
@@ -408,7 +432,8 @@ def _validate(x, config, mesh, expert_axis, token_axes, slot_of, buffer_size):
     if T % shards:
         raise ValueError(f"x has T={T} tokens, not a multiple of the {shards} token shards "
                          f"(mesh axes {token_axes}); pad the batch")
-    if buffer_size is not None and (not isinstance(buffer_size, int) or buffer_size < 1):
+    if buffer_size is not None and (not isinstance(buffer_size, (int, np.integer))
+                                    or isinstance(buffer_size, bool) or buffer_size < 1):
         raise ValueError(f"buffer_size={buffer_size!r} must be a positive int or None "
                          "(worst case Tl*K)")
     return G, shards
@@ -479,9 +504,7 @@ def expert_parallel_moe(
     mesh = _resolve_mesh(mesh)
     expert_axes = _expert_axes(expert_axis)
     expert_axis = expert_axes[0] if len(expert_axes) == 1 else expert_axes
-    if token_axes is None:
-        token_axes = tuple(a for a in (DATA_AXIS,) + expert_axes if a in mesh.axis_names)
-    token_axes = tuple(token_axes)
+    token_axes = _token_axes(mesh, expert_axis, token_axes)
     check_tokens(x, config)
     G, shards = _validate(x, config, mesh, expert_axis, token_axes, expert_perm, buffer_size)
     num_slots = config.num_experts if expert_perm is None else len(expert_perm)

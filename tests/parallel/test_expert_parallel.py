@@ -310,3 +310,20 @@ def test_errors_name_the_argument():
         expert_parallel_moe(x, make_params(cfg), cfg, mesh, seq_len=5)
     with pytest.raises(ValueError, match="params hold 16 experts"):
         expert_parallel_moe(x, make_params(cfg.replace(num_experts=16)), cfg, mesh)
+    with pytest.raises(ValueError, match="token_axes=.*include the expert axes"):
+        expert_parallel_moe(x, make_params(cfg), cfg, mesh, token_axes=("data",))
+    with pytest.raises(ValueError, match="buffer_size=True"):
+        expert_parallel_moe(x, make_params(cfg), cfg, mesh, buffer_size=True)
+    with pytest.raises(ValueError, match="expert_perm must hold integer"):
+        expert_parallel_moe(x, make_params(cfg), cfg, mesh, expert_perm=[0.0, 1, 2, 3, 4, 5, 6, 7])
+
+
+def test_numpy_int_buffer_size_and_expert_axis_data():
+    mesh = make_mesh((2, 4))
+    cfg = MoEConfig(num_experts=8, top_k=2, d_model=D, d_ff=F)
+    x, params = jax.random.normal(jax.random.key(2), (T, D)), make_params(cfg)
+    y_ref, _ = moe(x, params, cfg)
+    for kw in (dict(buffer_size=np.int64(T)), dict(expert_axis="data")):
+        y, _ = expert_parallel_moe(x, params, cfg, mesh, **kw)
+        np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), atol=2e-5, rtol=2e-5,
+                                   err_msg=str(kw))

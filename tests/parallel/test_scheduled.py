@@ -18,12 +18,19 @@ from test_expert_parallel import make_mesh, make_params, per_shard_moe
 D, T = 16, 64
 
 
-def test_complete_rounds_covers_every_pair_and_validates():
-    rounds = complete_rounds((((0, 1), (1, 0)),), 3)
-    pairs = {p for r in rounds for p in r}
-    assert pairs == {(i, j) for i in range(3) for j in range(3) if i != j}
+def _assert_every_pair_once(rounds, G):
+    pairs = [p for r in rounds for p in r]
+    assert sorted(pairs) == [(i, j) for i in range(G) for j in range(G) if i != j]
     for r in rounds:
-        assert len({i for i, _ in r}) == len(r) == len({j for _, j in r})
+        assert r and len({i for i, _ in r}) == len(r) == len({j for _, j in r})
+
+
+def test_complete_rounds_covers_every_pair_once_and_validates():
+    _assert_every_pair_once(complete_rounds((((0, 1), (1, 0)),), 3), 3)
+    # a pair given twice is sent once, in its first round
+    rounds = complete_rounds((((0, 1), (1, 0)), ((0, 1), (1, 2)), ((1, 0),)), 3)
+    _assert_every_pair_once(rounds, 3)
+    assert rounds[:2] == (((0, 1), (1, 0)), ((1, 2),))
     with pytest.raises(ValueError, match="partial permutation"):
         complete_rounds((((0, 1), (0, 2)),), 3)
     with pytest.raises(ValueError, match="self-send"):
@@ -86,3 +93,20 @@ def test_schedule_needs_scheduled_backend():
     with pytest.raises(ValueError, match="schedule="):
         expert_parallel_moe(jnp.zeros((T, D)), make_params(cfg), cfg, make_mesh((1, 8)),
                             backend="padded", schedule=(((0, 1),),))
+
+
+def test_rounds_from_a_skewed_plan_send_each_pair_once():
+    # Aurora splits pairs over several rounds under skew; the exchange moves a whole
+    # block per pair, so each pair is kept only in the round that carries most of it
+    load = tuple(float(v) for v in np.geomspace(1.0, 40.0, 8))
+    plan = make_plan(uniform(8), ModelSpec(num_experts=8, expert_load=load, top_k=2),
+                     groups=[[0, 1, 2, 3], [4, 5, 6, 7]])
+    amounts = [{(i, j): a for i, j, a in r.sends if i != j} for r in plan.schedules[0].rounds]
+    sends = [p for r in amounts for p in r]
+    assert len(sends) > len(set(sends))  # the plan really splits some pair
+    largest = {p: max(r.get(p, 0.0) for r in amounts) for p in sends}
+    rounds = rounds_from_schedule(plan.schedules[0])
+    _assert_every_pair_once(complete_rounds(rounds, 4), 4)
+    assert sorted(p for r in rounds for p in r) == sorted(set(sends))
+    for r in rounds:  # each kept round is part of one Aurora round carrying its pairs' most
+        assert any(all(a.get(p) == largest[p] for p in r) for a in amounts), r
