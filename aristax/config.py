@@ -160,7 +160,8 @@ class MoEConfig:
         routed nowhere and counted in ``aux["nonfinite_tokens"]``).
       num_chunks: Lancet overlap: split the tokens into this many chunks so one chunk's
         all-to-all can overlap another's experts; capacity is carried across chunks, so
-        the result equals ``num_chunks=1`` (``aristax.parallel.overlap``).
+        the result equals ``num_chunks=1`` (``aristax.parallel.overlap``). None: the
+        plan's count when the layer carries out a plan, else 1 (no chunking).
       exchange_backend: expert-parallel token exchange ("padded", "ragged", ...; see
         ``EXCHANGE_BACKENDS``); None picks it from the platform.
     """
@@ -188,7 +189,7 @@ class MoEConfig:
     param_dtype: Any = "float32"
     implementation: str | Sequence[str] | None = None
     debug_checks: bool = False
-    num_chunks: int = 1
+    num_chunks: int | None = None
     exchange_backend: str | None = None
 
     def __post_init__(self):
@@ -220,8 +221,9 @@ class MoEConfig:
             not _is_int(self.shared_d_ff) or self.shared_d_ff < 1
         ):
             _fail("shared_d_ff", self.shared_d_ff, "use None (= d_ff) or a positive integer")
-        if not _is_int(self.num_chunks) or self.num_chunks < 1:
-            _fail("num_chunks", self.num_chunks, "must be a positive integer (1 = no chunking)")
+        if self.num_chunks is not None and (not _is_int(self.num_chunks) or self.num_chunks < 1):
+            _fail("num_chunks", self.num_chunks,
+                  "must be None (the plan's count, else 1) or a positive integer (1 = no chunking)")
         if self.exchange_backend is not None and self.exchange_backend not in EXCHANGE_BACKENDS:
             _fail("exchange_backend", self.exchange_backend,
                   f"use None (chosen from the platform) or one of {EXCHANGE_BACKENDS}")

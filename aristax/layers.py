@@ -95,7 +95,9 @@ class MoE(nnx.Module):
     ([P, ...] slots: placement, replicas, empty slots; ``logical_params()`` gives the
     logical [E, ...] order for checkpoints), and the expert axis, exchange backend
     and Lancet chunk count come from ``aristax.parallel.expert_parallel_options``
-    (``config.exchange_backend`` and ``config.num_chunks > 1`` override them).
+    (``config.exchange_backend`` and a ``config.num_chunks`` that is set override them;
+    the plan's chunk count, made for the plan's batch, is capped at one chunk per
+    local token).
     """
 
     def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None,
@@ -170,8 +172,9 @@ class MoE(nnx.Module):
         seq_len = lead[-1] if len(lead) >= 2 else None
         use_jitter = self.jitter_rngs is not None and not self.deterministic
         bias = self.router.balance_bias_e
-        y, aux = self._forward()(
-            x.reshape(-1, cfg.d_model), self.params(), cfg,
+        tokens = x.reshape(-1, cfg.d_model)
+        y, aux = self._forward(tokens.shape[0])(
+            tokens, self.params(), cfg,
             bias=None if bias is None else bias[...],
             jitter_rng=self.jitter_rngs() if use_jitter else None,
             seq_len=seq_len,
@@ -181,29 +184,32 @@ class MoE(nnx.Module):
             _raise_if_nonfinite(aux["nonfinite_tokens"])
         return y.reshape(x.shape[:-1] + y.shape[-1:]), aux
 
-    def _forward(self):
+    def _forward(self, num_tokens: int):
         """``moe``; ``chunked_moe`` when ``num_chunks > 1``; the expert-parallel forward
-        when an expert mesh is active."""
+        when an expert mesh is active (for a call on ``num_tokens`` tokens)."""
         cfg = self.config
         mesh = self.mesh if self.mesh is not None else jax.sharding.get_abstract_mesh()
+        chunks = cfg.num_chunks or 1
         if self.ep_options is not None:
-            from aristax.parallel import expert_parallel_moe
+            from aristax.parallel import expert_parallel_moe, tokens_per_shard
 
             options = dict(self.ep_options)
             if cfg.exchange_backend is not None:
                 options["backend"] = cfg.exchange_backend
-            if cfg.num_chunks > 1:
-                options["num_chunks"] = cfg.num_chunks
+            if cfg.num_chunks is None:  # the plan's count, made for its planned batch:
+                local = tokens_per_shard(num_tokens, mesh, options["expert_axis"])
+                chunks = max(1, min(options["num_chunks"], local))  # <= 1 chunk per token
+            options["num_chunks"] = chunks
             return functools.partial(expert_parallel_moe, mesh=mesh, **options)
         if mesh is not None and not mesh.empty and EXPERT_AXIS in mesh.axis_names:
             from aristax.parallel import expert_parallel_moe  # parallel imports this package
 
-            return functools.partial(expert_parallel_moe, mesh=mesh, num_chunks=cfg.num_chunks,
+            return functools.partial(expert_parallel_moe, mesh=mesh, num_chunks=chunks,
                                      backend=cfg.exchange_backend)
-        if cfg.num_chunks > 1:
+        if chunks > 1:
             from aristax.parallel import chunked_moe
 
-            return functools.partial(chunked_moe, num_chunks=cfg.num_chunks)
+            return functools.partial(chunked_moe, num_chunks=chunks)
         return moe
 
     def update_balance_bias(self, expert_load: jax.Array) -> None:

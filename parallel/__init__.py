@@ -16,7 +16,11 @@ from aristax.parallel.collectives import (
     scheduled_all_to_all,
 )
 from aristax.parallel.distributed import initialize_distributed, resolve_distributed
-from aristax.parallel.expert_parallel import expert_parallel_moe, expert_parallel_options
+from aristax.parallel.expert_parallel import (
+    expert_parallel_moe,
+    expert_parallel_options,
+    tokens_per_shard,
+)
 from aristax.parallel.measure import fit_alpha_beta, measure_topology
 from aristax.parallel.mesh import (
     EMPTY_SLOT,
@@ -61,4 +65,5 @@ __all__ = [
     "resolve_distributed",
     "rounds_from_schedule",
     "scheduled_all_to_all",
+    "tokens_per_shard",
 ]

@@ -130,3 +130,20 @@ def test_moe_module_carries_out_a_skewed_plan():
     np.testing.assert_allclose(np.asarray(aux["expert_load"]), np.asarray(aux_r["expert_load"]))
     with pytest.raises(ValueError, match="needs mesh="):
         MoE(cfg, rngs=nnx.Rngs(0), plan=plan)
+
+
+def test_plan_chunk_count_is_capped_for_small_batches_and_num_chunks_overrides_it():
+    # the plan's Lancet count is made for tokens_per_device=4096; a 2-token shard
+    # must still run (capped at one chunk per token), and num_chunks=1 turns it off
+    plan = make_plan(uniform(8), ModelSpec(num_experts=8, top_k=2), groups=GROUPS_2X4)
+    mesh = mesh_from_plan(plan)
+    planned = dict(expert_parallel_options(plan, mesh))["num_chunks"]
+    assert planned > 2
+    cfg = MoEConfig(num_experts=8, top_k=2, d_model=D, d_ff=F)
+    single = MoE(cfg, rngs=nnx.Rngs(0))
+    for num_chunks, tokens, expect in ((None, 16, 2), (None, 8 * planned, planned), (1, 16, 1)):
+        layer = MoE(cfg.replace(num_chunks=num_chunks), rngs=nnx.Rngs(0), mesh=mesh, plan=plan)
+        assert layer._forward(tokens).keywords["num_chunks"] == expect
+        x = jax.random.normal(jax.random.key(tokens), (1, tokens, D))
+        y, aux = layer(x)
+        np.testing.assert_allclose(np.asarray(y), np.asarray(single(x)[0]), atol=3e-5, rtol=3e-5)
