@@ -191,16 +191,10 @@ class MoE(nnx.Module):
         mesh = self.mesh if self.mesh is not None else jax.sharding.get_abstract_mesh()
         chunks = cfg.num_chunks or 1
         if self.ep_options is not None:
-            from aristax.parallel import expert_parallel_moe, tokens_per_shard
+            from aristax.parallel import expert_parallel_moe
 
-            options = dict(self.ep_options)
-            if cfg.exchange_backend is not None:
-                options["backend"] = cfg.exchange_backend
-            if cfg.num_chunks is None:  # the plan's count, made for its planned batch:
-                local = tokens_per_shard(num_tokens, mesh, options["expert_axis"])
-                chunks = max(1, min(options["num_chunks"], local))  # <= 1 chunk per token
-            options["num_chunks"] = chunks
-            return functools.partial(expert_parallel_moe, mesh=mesh, **options)
+            return functools.partial(expert_parallel_moe, mesh=mesh,
+                                     **self.plan_call_options(num_tokens))
         if mesh is not None and not mesh.empty and EXPERT_AXIS in mesh.axis_names:
             from aristax.parallel import expert_parallel_moe  # parallel imports this package
 
@@ -211,6 +205,28 @@ class MoE(nnx.Module):
 
             return functools.partial(chunked_moe, num_chunks=chunks)
         return moe
+
+    def plan_call_options(self, num_tokens: int) -> dict | None:
+        """The ``expert_parallel_moe`` options a call on ``num_tokens`` tokens uses when
+        the layer carries out a plan (None without one): the plan's, with
+        ``config.exchange_backend`` and a set ``config.num_chunks`` in their place;
+        the plan's chunk count, made for its planned batch, is capped at one chunk per
+        local token."""
+        if self.ep_options is None:
+            return None
+        from aristax.parallel import tokens_per_shard
+
+        cfg = self.config
+        mesh = self.mesh if self.mesh is not None else jax.sharding.get_abstract_mesh()
+        options = dict(self.ep_options)
+        if cfg.exchange_backend is not None:
+            options["backend"] = cfg.exchange_backend
+        if cfg.num_chunks is not None:
+            options["num_chunks"] = cfg.num_chunks
+        else:
+            local = tokens_per_shard(num_tokens, mesh, options["expert_axis"])
+            options["num_chunks"] = max(1, min(options["num_chunks"], local))
+        return options
 
     def update_balance_bias(self, expert_load: jax.Array) -> None:
         """Aux-loss-free balancing step from the last step's ``aux["expert_load"]``

@@ -75,9 +75,17 @@ class Checkpointer:
     def save(self, step: int, state: dict, data_state: dict, meta: dict) -> None:
         """``state``: a pure dict of arrays (model and optimizer, physical order)."""
         host = jax.tree.map(_to_host, _move_experts(state, self.expert_perm, inverse=True))
-        self.manager.save(step, args=ocp.args.Composite(
+        saved = self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(host), data=ocp.args.JsonSave(data_state),
             meta=ocp.args.JsonSave(dict(meta, step=step))))
+        if not saved:  # orbax skips a step at or before the latest one it holds
+            raise RuntimeError(f"checkpoint of step {step} not written: "
+                               f"{self.manager.directory} already holds step "
+                               f"{self.manager.latest_step()}")
+
+    def meta(self, step: int) -> dict:
+        """The "meta" item of ``step`` (its step and the config it was written with)."""
+        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
     def restore(self, template: dict, place: Callable[[Any, Any], Any],
                 step: int | None = None) -> tuple[dict, dict, dict]:
@@ -91,6 +99,14 @@ class Checkpointer:
         out = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore(),
             meta=ocp.args.JsonRestore()))
+        mismatched = [(jax.tree_util.keystr(path), np.shape(a), np.shape(b)) for (path, a), b
+                      in zip(jax.tree_util.tree_leaves_with_path(out["state"]),
+                             jax.tree.leaves(target)) if np.shape(a) != np.shape(b)]
+        if mismatched:
+            name, found, expected = mismatched[0]
+            raise ValueError(f"checkpoint step {step}: {name} has shape {found}, the model "
+                             f"expects {expected} ({len(mismatched)} tensors differ); resume "
+                             "with the model config the run was written with")
         saved = _move_experts(out["state"], self.expert_perm, inverse=False)
         state = jax.tree.map(lambda s, t: place(_from_host(s, t), t), saved, template)
         return state, out["data"], out["meta"]

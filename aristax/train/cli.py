@@ -21,10 +21,19 @@ def _config(args: argparse.Namespace):
 def run_train(args: argparse.Namespace) -> int:
     from aristax.train import train
 
+    from aristax.train import ConfigError
+
     cfg = _config(args)
     if cfg is None:
         return 2
-    train(cfg)
+    try:
+        train(cfg)
+    except (ConfigError, FileNotFoundError) as err:  # found before training starts
+        print(f"aristax train: {err}", file=sys.stderr)
+        return 2
+    except FloatingPointError as err:  # the loss diverged
+        print(f"aristax train: {err}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -36,7 +45,10 @@ def run_launch(args: argparse.Namespace) -> int:
         return 2
     try:
         return launch(args.config, args.overrides, args.local_processes,
-                      out_dir=Path(cfg.out_dir), grace=args.grace)
+                      out_dir=Path(cfg.out_dir), devices=cfg.parallel.devices, grace=args.grace)
+    except ValueError as err:  # bad arguments, found before any process starts
+        print(f"aristax launch: {err}", file=sys.stderr)
+        return 2
     except RuntimeError as err:
         print(f"aristax launch: {err}", file=sys.stderr)
         return 1

@@ -11,6 +11,7 @@ one YAML file, or twice on the command line) and values out of range all raise
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
@@ -172,6 +173,17 @@ def validate(cfg: TrainConfig) -> None:
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{key}={value} must be >= 1")
+    o = cfg.optim
+    optim_ranges = {"lr": (o.lr, 0 < o.lr, "> 0"),
+                    "b1": (o.b1, 0 <= o.b1 < 1, "in [0, 1)"),
+                    "b2": (o.b2, 0 <= o.b2 < 1, "in [0, 1)"),
+                    "clip_norm": (o.clip_norm, 0 < o.clip_norm, "> 0"),
+                    "weight_decay": (o.weight_decay, 0 <= o.weight_decay, ">= 0"),
+                    "warmup_steps": (o.warmup_steps, 0 <= o.warmup_steps, ">= 0"),
+                    "min_lr_ratio": (o.min_lr_ratio, 0 <= o.min_lr_ratio <= 1, "in [0, 1]")}
+    for key, (value, ok, want) in optim_ranges.items():
+        if not (ok and math.isfinite(value)):
+            raise ConfigError(f"optim.{key}={value} must be finite and {want}")
     if not 0 < cfg.data.held_out_fraction < 1:
         raise ConfigError(f"data.held_out_fraction={cfg.data.held_out_fraction} must be in (0, 1)")
     if min(cfg.parallel.devices, cfg.parallel.group_size, cfg.parallel.num_chunks,

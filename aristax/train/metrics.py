@@ -8,6 +8,7 @@ expert_load [L][E]) and one per evaluation (step, eval_loss).
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,8 @@ import numpy as np
 
 class MetricsWriter:
     """Appends to ``out_dir/metrics.jsonl``; a resumed run (``start_step`` > 0) first
-    drops the rows of steps after ``start_step``, which the resumed run redoes."""
+    drops the rows (and TensorBoard events) of steps after ``start_step``, which the
+    resumed run redoes; a fresh run starts both afresh."""
 
     def __init__(self, out_dir: Path, *, enabled: bool = True, start_step: int = 0):
         self.enabled = enabled
@@ -33,7 +35,10 @@ class MetricsWriter:
             self._file = self.path.open("a")
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.tb_dir))
+            if not start_step:  # a fresh run: no events of an earlier one
+                shutil.rmtree(self.tb_dir, ignore_errors=True)
+            # a resumed run: TensorBoard drops the earlier events of the steps it redoes
+            self._tb = SummaryWriter(str(self.tb_dir), purge_step=start_step + 1 if start_step else None)
 
     def write(self, row: dict[str, Any]) -> None:
         self.rows.append(row)

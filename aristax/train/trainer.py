@@ -34,7 +34,7 @@ from omegaconf import OmegaConf
 from aristax.models.mixtral import Mixtral
 from aristax.train import data as data_lib
 from aristax.train.checkpoint import Checkpointer
-from aristax.train.config import TrainConfig, mixtral_config, moe_config
+from aristax.train.config import ConfigError, TrainConfig, mixtral_config, moe_config
 from aristax.train.metrics import MetricsWriter, plot_run
 from aristax.train.parallel_setup import (batch_sharding, param_sharding, plan_and_mesh,
                                           start_processes)
@@ -74,14 +74,16 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
                        optax.adamw(schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay))
 
 
-def flops_per_token(cfg: TrainConfig) -> float:
-    """6 x active parameters per token + 12 L D S (attention scores), training."""
+def flops_per_token(cfg: TrainConfig, vocab_size: int | None = None) -> float:
+    """6 x active parameters per token + 12 L D S (attention scores), training;
+    ``vocab_size``: the model's (default ``model.vocab_size``)."""
     m = cfg.model
     head_dim = m.d_model // m.num_heads
     attn = m.d_model * head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
     gated = 3 if m.activation in ("swiglu", "geglu") else 2
     ffn = gated * m.d_model * m.d_ff * (m.top_k + m.num_shared_experts)
-    active = m.num_layers * (attn + ffn + m.d_model * m.num_experts) + m.d_model * m.vocab_size
+    vocab = vocab_size or m.vocab_size
+    active = m.num_layers * (attn + ffn + m.d_model * m.num_experts) + m.d_model * vocab
     return 6.0 * active + 12.0 * m.num_layers * m.d_model * m.seq_len
 
 
@@ -132,6 +134,76 @@ def _state_dict(model, optimizer) -> dict:
             "optimizer": nnx.to_pure_dict(nnx.state(optimizer))}
 
 
+# ------------------------------------------------------------------ checks
+# config keys a resumed run may change; every other model.*, data.* and optim.* key
+# must equal the checkpointed run's
+RESUMABLE_CHANGES = ("model.implementation",)
+
+
+def check_batch_split(cfg: TrainConfig, mesh, num_processes: int) -> None:
+    """The global batch's rows are split over the processes and every mesh device."""
+    if num_processes > 1 and mesh is None:
+        raise ConfigError(f"{num_processes} processes train one model only through the "
+                          "expert-parallel mesh; set parallel.expert_parallel=true or run "
+                          "one process")
+    shards = num_processes if mesh is None else mesh.size
+    if cfg.data.batch_size % shards:
+        raise ConfigError(f"data.batch_size={cfg.data.batch_size} must be a multiple of the "
+                          f"{shards} {'devices of the mesh' if mesh is not None else 'processes'}"
+                          f" that split the batch rows, e.g. data.batch_size="
+                          f"{-(-cfg.data.batch_size // shards) * shards}")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def run_identity(cfg: TrainConfig) -> dict[str, Any]:
+    """The model.*, data.* and optim.* keys (dotted) a checkpoint records, which a
+    resumed run must keep."""
+    full = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    flat = _flat({k: full[k] for k in ("model", "data", "optim")})
+    return {k: v for k, v in flat.items() if k not in RESUMABLE_CHANGES}
+
+
+def start_step_and_data(cfg: TrainConfig, ckpt: Checkpointer, model, optimizer):
+    """(first step, data iterator state) of the run: 0 and None for a fresh run in an
+    ``out_dir`` without checkpoints; else the latest checkpoint's, restored into
+    ``model`` and ``optimizer`` after checking it belongs to this config."""
+    latest = ckpt.latest_step()
+    if not cfg.checkpoint.resume:
+        if latest is not None:
+            raise ConfigError(f"out_dir={cfg.out_dir} already holds checkpoints (latest step "
+                              f"{latest}); continue that run with checkpoint.resume=true, or "
+                              "start a new one with another out_dir= or name=")
+        return 0, None
+    if latest is None:
+        raise ConfigError(f"checkpoint.resume=true but out_dir={cfg.out_dir} holds no "
+                          "checkpoint; run without it first")
+    if latest >= cfg.steps:
+        raise ConfigError(f"the run in {cfg.out_dir} is at step {latest} and steps="
+                          f"{cfg.steps}: nothing to train; raise steps= to continue it")
+    saved = ckpt.meta(latest).get("config")
+    if saved is not None:
+        now = run_identity(cfg)
+        changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+        if changed:
+            raise ConfigError(
+                "checkpoint.resume=true with another config than the checkpointed run's: "
+                + ", ".join(f"{k}={now.get(k)!r} (was {saved.get(k)!r})" for k in changed)
+                + "; resume with its values (steps, logging, eval, checkpoint and "
+                "parallel.* may change)")
+    state, data_state, meta = ckpt.restore(_state_dict(model, optimizer), _place_like, latest)
+    _restore_pure(model, optimizer, state)
+    return int(meta["step"]), data_state
+
+
 # ------------------------------------------------------------------ the run
 def train(cfg: TrainConfig, *, log=print) -> RunResult:
     """Run ``cfg`` (see the module docstring); returns losses and the summary."""
@@ -142,10 +214,7 @@ def train(cfg: TrainConfig, *, log=print) -> RunResult:
     devices = jax.devices()
     plan, mesh = plan_and_mesh(cfg, devices)
     m = cfg.model
-    if cfg.data.batch_size % nproc or (mesh is not None and
-                                       (cfg.data.batch_size * m.seq_len) % len(devices)):
-        raise ValueError(f"data.batch_size={cfg.data.batch_size} x model.seq_len={m.seq_len} "
-                         f"must split evenly over {nproc} processes and {len(devices)} devices")
+    check_batch_split(cfg, mesh, nproc)
     tokens, vocab = data_lib.read_tokens(cfg.data)
     vocab = max(vocab, m.vocab_size)
     train_tokens, held_out = data_lib.split(tokens, cfg.data.held_out_fraction, m.seq_len)
@@ -154,14 +223,11 @@ def train(cfg: TrainConfig, *, log=print) -> RunResult:
     optimizer = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
     shard_module(model, mesh)
     shard_module(optimizer, mesh)
-    options = dict(model.layers[0].moe.ep_options or ())
+    tokens_per_step = cfg.data.batch_size * m.seq_len
+    options = model.layers[0].moe.plan_call_options(tokens_per_step) or {}
     ckpt = Checkpointer(out_dir / "checkpoints", keep=cfg.checkpoint.keep,
                         expert_perm=options.get("expert_perm"))
-    start_step, data_state = 0, None
-    if cfg.checkpoint.resume:
-        state, data_state, meta = ckpt.restore(_state_dict(model, optimizer), _place_like)
-        _restore_pure(model, optimizer, state)
-        start_step = int(meta["step"])
+    start_step, data_state = start_step_and_data(cfg, ckpt, model, optimizer)
     stream = data_lib.batches(train_tokens, m.seq_len, local_batch, seed=cfg.data.seed,
                               process_index=proc, process_count=nproc, state=data_state)
     sharding = batch_sharding(mesh)
@@ -187,8 +253,7 @@ def train(cfg: TrainConfig, *, log=print) -> RunResult:
     writer = MetricsWriter(out_dir, enabled=main, start_step=start_step)
     peak = measured_peak_flops(jnp.dtype(m.dtype)) * (1 if devices[0].platform == "cpu"
                                                        else len(devices))
-    fpt = flops_per_token(cfg)
-    tokens_per_step = cfg.data.batch_size * m.seq_len
+    fpt = flops_per_token(cfg, vocab)
     if main:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
@@ -203,19 +268,22 @@ def train(cfg: TrainConfig, *, log=print) -> RunResult:
             f"{mesh_text}; steps {start_step + 1}..{cfg.steps}")
     losses, evals = [], []
     progress = _progress(cfg, main, start_step)
-    t_start, t_last = time.perf_counter(), time.perf_counter()
+    step_s = []  # data + step time of each step (evaluation and checkpoints excluded)
     for step in range(start_step + 1, cfg.steps + 1):
+        t0 = time.perf_counter()
         metrics = jax.device_get(train_step(model, optimizer,
                                             _global_batch(next(stream), sharding)))
-        now = time.perf_counter()
-        rate = tokens_per_step / max(now - t_last, 1e-9)
-        t_last = now
+        step_s.append(time.perf_counter() - t0)
+        rate = tokens_per_step / max(step_s[-1], 1e-9)
         row = {"step": step, "loss": float(metrics["loss"]),
                "aux_loss": float(metrics["aux_loss"]), "tokens_per_s": rate,
                "mfu": rate * fpt / peak, "dropped_fraction": float(metrics["dropped_fraction"]),
                "router_entropy": float(metrics["router_entropy"]),
                "expert_load": np.asarray(metrics["expert_load"]).tolist()}
         writer.write(row)
+        if not np.isfinite(row["loss"]):
+            raise FloatingPointError(f"step {step}: the training loss is {row['loss']}; lower "
+                                     "optim.lr or raise optim.warmup_steps")
         losses.append(row["loss"])
         progress(step, row, log)
         if step % cfg.eval_every == 0 or step == cfg.steps:
@@ -225,15 +293,18 @@ def train(cfg: TrainConfig, *, log=print) -> RunResult:
                 log(f"step {step}: held-out loss {evals[-1][1]:.3f}")
         if step % cfg.checkpoint.every == 0 or step == cfg.steps:
             ckpt.save(step, _state_dict(model, optimizer), stream.get_state(),
-                      {"name": cfg.name})
+                      {"name": cfg.name, "config": run_identity(cfg)})
     ckpt.wait()
     ckpt.close()
-    elapsed = time.perf_counter() - t_start
+    steady = step_s[1:] or step_s  # the first step compiles
+    drops = [r["dropped_fraction"] for r in writer.rows if "dropped_fraction" in r]
     summary = {"name": cfg.name, "steps": cfg.steps, "first_step": start_step + 1,
-               "final_loss": float(np.mean(losses[-10:])) if losses else None,
-               "first_loss": losses[0] if losses else None,
-               "eval_loss": evals[-1][1] if evals else None,
-               "tokens_per_s": (len(losses) * tokens_per_step / elapsed) if losses else None,
+               "final_loss": float(np.mean(losses[-10:])),
+               "first_loss": losses[0],
+               "eval_loss": evals[-1][1],
+               "tokens_per_s": len(steady) * tokens_per_step / sum(steady),
+               "first_step_s": step_s[0],
+               "dropped_fraction": float(np.mean(drops[-len(losses):])),
                "devices": len(devices), "processes": nproc,
                "mesh": None if mesh is None else dict(mesh.shape),
                "out_dir": str(out_dir), "checkpoints": str(out_dir / "checkpoints"),
@@ -247,7 +318,9 @@ def train(cfg: TrainConfig, *, log=print) -> RunResult:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         log(f"done: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} "
             f"(last 10 steps), held-out {summary['eval_loss']:.3f}, "
-            f"{summary['tokens_per_s']:,.0f} tokens/s")
+            f"{summary['tokens_per_s']:,.0f} tokens/s after the first step "
+            f"({summary['first_step_s']:.1f} s with compilation), "
+            f"{100 * summary['dropped_fraction']:.1f}% of expert assignments dropped")
         log(f"checkpoints: {summary['checkpoints']}\nmetrics: {summary['metrics']} "
             f"(TensorBoard: {summary['tensorboard']})\nplots: {', '.join(summary['plots'])}\n"
             f"summary: {out_dir / 'summary.json'}")
@@ -274,7 +347,7 @@ def _progress(cfg: TrainConfig, main: bool, start_step: int):
 
         def update(step, row, log):
             bar.update(task, completed=step, info=f"loss {row['loss']:.3f}  "
-                       f"{row['tokens_per_s']:,.0f} tok/s")
+                       f"{row['tokens_per_s']:,.0f} tok/s  dropped {row['dropped_fraction']:.3f}")
             if step == cfg.steps:
                 bar.stop()
         return update

@@ -143,7 +143,7 @@ def test_plan_chunk_count_is_capped_for_small_batches_and_num_chunks_overrides_i
     single = MoE(cfg, rngs=nnx.Rngs(0))
     for num_chunks, tokens, expect in ((None, 16, 2), (None, 8 * planned, planned), (1, 16, 1)):
         layer = MoE(cfg.replace(num_chunks=num_chunks), rngs=nnx.Rngs(0), mesh=mesh, plan=plan)
-        assert layer._forward(tokens).keywords["num_chunks"] == expect
+        assert layer.plan_call_options(tokens)["num_chunks"] == expect
         x = jax.random.normal(jax.random.key(tokens), (1, tokens, D))
         y, aux = layer(x)
         np.testing.assert_allclose(np.asarray(y), np.asarray(single(x)[0]), atol=3e-5, rtol=3e-5)

@@ -48,6 +48,14 @@ def test_implementation_is_a_name_or_an_ordered_list(tmp_path):
     ("", ["steps=0"], "steps"),                         # out of range
     ("", ["model.top_k=9"], "top_k"),                   # invalid model (top_k > E)
     ("", ["model.implementation=[trion]"], "implementation"),  # unknown backend
+    ("", ["optim.lr=-0.05"], "optim.lr"),               # optimiser ranges
+    ("", ["optim.lr=nan"], "optim.lr"),
+    ("", ["optim.b1=1.5"], "optim.b1"),
+    ("", ["optim.b2=-1"], "optim.b2"),
+    ("", ["optim.clip_norm=0"], "optim.clip_norm"),
+    ("", ["optim.weight_decay=-1"], "optim.weight_decay"),
+    ("", ["optim.warmup_steps=-1"], "optim.warmup_steps"),
+    ("", ["optim.min_lr_ratio=2"], "optim.min_lr_ratio"),
 ])
 def test_errors_name_the_key(tmp_path, text, overrides, key):
     path = tmp_path / "bad.yaml"

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from aristax import cli
-from aristax.train import load_config, train
+from aristax.train import ConfigError, load_config, train
+from aristax.train.trainer import check_batch_split
 from aristax.train.metrics import read_rows
 
 SMALL = ["model.d_model=32", "model.d_ff=64", "model.seq_len=32", "data.batch_size=8",
@@ -48,6 +49,8 @@ def test_train_command_loss_falls_and_writes_its_outputs(tmp_path, capsys):
     assert (out / "loss.png").stat().st_size > 0 and (out / "expert_load.png").exists()
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["20", "40"]
     assert any((out / "tensorboard").iterdir())
+    assert summary["dropped_fraction"] == np.mean([r["dropped_fraction"] for r in rows]) == 0
+    assert summary["tokens_per_s"] > 0 and summary["first_step_s"] > 0
 
 
 def test_resumed_run_equals_uninterrupted_run(tmp_path):
@@ -73,5 +76,33 @@ def test_restore_onto_another_expert_parallel_layout(tmp_path):
 
 
 def test_resume_without_checkpoint_says_so(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+    with pytest.raises(ConfigError, match="holds no checkpoint"):
         run(tmp_path, "steps=2", "checkpoint.resume=true")
+
+
+def test_a_run_keeps_to_its_own_checkpoints(tmp_path):
+    run(tmp_path, "steps=2", "checkpoint.every=1", "eval_every=2")
+    # orbax skipped saving over them: a new run would have left the old checkpoints
+    with pytest.raises(ConfigError, match="already holds checkpoints.*checkpoint.resume=true"):
+        run(tmp_path, "steps=2", "seed=1")
+    with pytest.raises(ConfigError, match="at step 2 and steps=2: nothing to train"):
+        run(tmp_path, "steps=2", "checkpoint.resume=true")
+    # a resume with another data or model config would read the data position, or
+    # the weights, of another run
+    for change, key in (("data.seed=7", "data.seed=7 \\(was 0\\)"),
+                        ("model.num_layers=1", "model.num_layers=1 \\(was 2\\)")):
+        with pytest.raises(ConfigError, match=key):
+            run(tmp_path, "steps=4", "checkpoint.resume=true", change)
+
+
+def test_batch_split_and_divergence_are_errors(tmp_path, capsys):
+    code = cli.main(["train", "experiments/configs/tiny.yaml", "data.batch_size=4",
+                     f"out_dir={tmp_path / 'b'}"])
+    assert code == 2
+    assert ("aristax train: data.batch_size=4 must be a multiple of the 8 devices of the mesh"
+            in capsys.readouterr().err)
+    cfg = load_config("experiments/configs/tiny.yaml", ["parallel.expert_parallel=false"])
+    with pytest.raises(ConfigError, match="2 processes.*parallel.expert_parallel=true"):
+        check_batch_split(cfg, None, 2)
+    with pytest.raises(FloatingPointError, match=r"step \d: the training loss is nan; lower optim.lr"):
+        run(tmp_path, "steps=3", "optim.lr=1e30", "optim.warmup_steps=0", name="diverges")
