@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import pathlib
 
 import pytest
@@ -32,3 +33,26 @@ def test_bench_passes_the_remaining_arguments_to_the_script(capfd):
     out = capfd.readouterr().out
     assert "usage: planner_lysi_scaling.py" in out and "--repeats" in out
     assert cli.main(["bench", "planner_lysi_scaling", "--repeats", "x"]) == 2  # its own error
+
+
+@pytest.mark.parametrize("name", ["planner_aristos", "planner_aurora"])
+def test_bench_help_prints_usage_and_writes_nothing(name, tmp_path, monkeypatch, capfd):
+    # a copy of the script, so that one which ignores --help writes under tmp_path
+    (tmp_path / "results").mkdir()
+    (tmp_path / f"{name}.py").write_text((BENCHMARKS / f"{name}.py").read_text())
+    monkeypatch.setattr(cli, "BENCHMARKS", tmp_path)
+    assert cli.main(["bench", name, "--help"]) == 0
+    out = capfd.readouterr().out
+    assert f"usage: {name}.py" in out and "--out" in out
+    assert not any((tmp_path / "results").iterdir())
+
+
+@pytest.mark.parametrize("name", ["planner_aristos", "planner_aurora"])
+def test_bench_out_sets_the_results_path(name, tmp_path, monkeypatch, capfd):
+    (tmp_path / "results").mkdir()
+    (tmp_path / f"{name}.py").write_text((BENCHMARKS / f"{name}.py").read_text())
+    monkeypatch.setattr(cli, "BENCHMARKS", tmp_path)
+    out = tmp_path / "out.json"
+    assert cli.main(["bench", name, "--out", str(out)]) == 0
+    assert "paper" in json.loads(out.read_text())
+    assert not any((tmp_path / "results").iterdir())

@@ -14,6 +14,7 @@ e.g. ``perlmutter:4`` (4 nodes), ``dgx_h100:2``, ``heterogeneous_mix:1,2``. The 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from aristax.planner.plan import ModelSpec, Plan, make_plan
@@ -91,15 +92,20 @@ def format_plan(plan: Plan, topology: Topology, iteration: float | None = None, 
 
 
 def run(args: argparse.Namespace) -> int:
-    """Build the plan, print the tables, write JSON / PNG if asked. Returns 0."""
+    """Build the plan, print the tables, write JSON / PNG if asked. Returns 0, or 2
+    after printing why the arguments are invalid."""
     from rich.console import Console
 
-    topology = parse_topology(args.topology)
-    model = ModelSpec(num_experts=args.experts, top_k=args.top_k, d_model=args.d_model, d_ff=args.d_ff,
-                      tokens_per_device=args.tokens)
-    if args.png and not args.png.lower().endswith(".png"):
-        raise ValueError(f"--png {args.png!r} must end in .png, e.g. --png plan.png.")
-    plan = make_plan(topology, model)
+    try:  # bad arguments and infeasible plans: a message, not a traceback
+        topology = parse_topology(args.topology)
+        model = ModelSpec(num_experts=args.experts, top_k=args.top_k, d_model=args.d_model,
+                          d_ff=args.d_ff, tokens_per_device=args.tokens)
+        if args.png and not args.png.lower().endswith(".png"):
+            raise ValueError(f"--png {args.png!r} must end in .png, e.g. --png plan.png.")
+        plan = make_plan(topology, model)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"aristax plan: {err}", file=sys.stderr)
+        return 2
     console = Console()
     for r in plan_tables(plan, topology, simulate(plan, topology, model).iteration):
         console.print(r)

@@ -87,6 +87,9 @@ class ModelSpec:
             raise ValueError(f"num_replicas={self.num_replicas} must be >= num_experts={self.num_experts} "
                              "(every expert needs a slot) or None.")
         self.workload()  # validates the shared fields
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k={self.top_k} must be between 1 and num_experts={self.num_experts} "
+                             "(each token picks top_k distinct experts); lower top_k or add experts.")
 
     def workload(self) -> Workload:
         """The Aristos eq. 1-4 view of this model (SwiGLU expert: f = 6 D F per token)."""

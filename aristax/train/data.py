@@ -38,8 +38,19 @@ def read_tokens(cfg: DataConfig) -> tuple[np.ndarray, int]:
     """(int32[N] token ids, vocabulary size) from ``cfg.source``."""
     source = cfg.source
     if source.endswith(".npy"):
-        tokens = np.load(source).astype(np.int32).reshape(-1)
-        if tokens.size and tokens.min() < 0:
+        if not pathlib.Path(source).is_file():
+            raise FileNotFoundError(f"data.source={source!r} does not exist: give an existing "
+                                    ".npy file of token ids")
+        array = np.load(source)
+        if not np.issubdtype(array.dtype, np.integer):
+            raise ValueError(f"data.source={source!r} holds {array.dtype} values, not integer "
+                             "token ids: save the ids with an integer dtype, e.g. "
+                             "np.save(path, ids.astype(np.int32))")
+        if array.size == 0:
+            raise ValueError(f"data.source={source!r} holds no token ids: save a non-empty "
+                             "1-D array of token ids")
+        tokens = array.astype(np.int32).reshape(-1)
+        if tokens.min() < 0:
             raise ValueError(f"data.source={source!r} holds negative token ids")
         return tokens, int(tokens.max()) + 1
     if source == "stdlib":
@@ -66,7 +77,15 @@ def read_tokens(cfg: DataConfig) -> tuple[np.ndarray, int]:
     except ImportError:
         raise ImportError("data.tokenizer needs the `tokenizers` package: pip install "
                           "tokenizers") from None
-    tok = Tokenizer.from_file(cfg.tokenizer)
+    if not pathlib.Path(cfg.tokenizer).is_file():
+        raise FileNotFoundError(f"data.tokenizer={cfg.tokenizer!r} does not exist: give the path "
+                                "of a Hugging Face tokenizer.json, or leave data.tokenizer unset "
+                                "for bytes")
+    try:
+        tok = Tokenizer.from_file(cfg.tokenizer)
+    except Exception as err:  # tokenizers raises a bare Exception
+        raise ValueError(f"data.tokenizer={cfg.tokenizer!r} is not a Hugging Face tokenizer.json "
+                         f"({err})") from None
     ids = tok.encode(text.decode("utf-8", errors="replace")).ids
     return np.asarray(ids, np.int32), tok.get_vocab_size()
 

@@ -38,15 +38,29 @@ def process_env(process_id: int, num_processes: int, port: int) -> dict[str, str
     return env
 
 
-def launch(config: str, overrides: Sequence[str], num_processes: int, *, out_dir: Path,
-           grace: float = 10.0, poll: float = 0.2, log=print) -> int:
-    """Run ``aristax train config overrides`` in ``num_processes`` local processes.
+def check_processes(num_processes: int, devices: int) -> None:
+    """ValueError unless ``num_processes`` processes can share ``devices`` CPU devices
+    (``parallel.devices``; 0: each process keeps its own count)."""
+    if num_processes < 1:
+        raise ValueError(f"--local-processes={num_processes} must be >= 1: give the number "
+                         "of processes to start")
+    if devices and devices % num_processes:
+        raise ValueError(f"parallel.devices={devices} is not divisible by --local-processes="
+                         f"{num_processes} (each process gets parallel.devices / N CPU devices): "
+                         f"choose a process count that divides {devices} or set parallel.devices "
+                         f"to a multiple of {num_processes}")
 
+
+def launch(config: str, overrides: Sequence[str], num_processes: int, *, out_dir: Path,
+           devices: int = 0, grace: float = 10.0, poll: float = 0.2, log=print) -> int:
+    """Run ``aristax train config overrides`` in ``num_processes`` local processes
+    sharing ``devices`` CPU devices (the config's ``parallel.devices``).
+
+    Raises ValueError (see :func:`check_processes`) before starting any process.
     Returns 0 when every process finished; raises RuntimeError naming the first
     process that failed (after stopping the others).
     """
-    if num_processes < 1:
-        raise ValueError(f"--local-processes={num_processes} must be >= 1")
+    check_processes(num_processes, devices)
     out_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     command = [sys.executable, "-m", "aristax.cli", "train", config, *overrides]

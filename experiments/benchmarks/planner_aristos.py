@@ -18,12 +18,13 @@ at 1.49X degradation of training throughput and latency" (1.2); "for |X| >= 64,
 executing the model becomes compute-bound hence the huge spike in latency for the
 min |CG| heuristic" (3.3).
 
-Usage: aristax bench planner_aristos
-Writes experiments/benchmarks/results/planner_aristos.json.
+Usage: aristax bench planner_aristos [--out PATH]
+Writes experiments/benchmarks/results/planner_aristos.json (default of --out).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -42,6 +43,10 @@ PAPER = {
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "planner_aristos.json"),
+                    help="where to write the JSON results (default: %(default)s)")
+    args = ap.parse_args()
     top = perlmutter(4, expert_capacity=32)
     rows = []
     for experts in (16, 32, 64, 128):
@@ -69,7 +74,7 @@ def main() -> None:
     print(f"paper (text of aristos-paper.md): {PAPER}")
     meta = {"machine": platform.machine(), "processor": platform.processor(), "python": platform.python_version(),
             "cpus": os.cpu_count(), "topology": top.name, "note": "simulated times (host model), not measured"}
-    out = Path(__file__).parent / "results" / "planner_aristos.json"
+    out = Path(args.out)
     out.write_text(json.dumps({"meta": meta, "paper": PAPER, "rows": rows}, indent=1))
     print(f"wrote {out}")
 

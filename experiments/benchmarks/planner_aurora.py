@@ -26,11 +26,13 @@ list scheduling for the SJF / random orders, Aurora's BvN order otherwise).
 4. colocating_homogeneous: ``colocate`` vs random expert colocation (REC).
 5. colocating_heterogeneous: ``colocate`` (section 7.2) vs RGA + REC.
 
-Usage: aristax bench planner_aurora
+Usage: aristax bench planner_aurora [--out PATH]
+Writes experiments/benchmarks/results/planner_aurora.json (default of --out).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -211,6 +213,10 @@ def colocating(rng, speed: np.ndarray) -> dict:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "planner_aurora.json"),
+                    help="where to write the JSON results (default: %(default)s)")
+    args = ap.parse_args()
     start = time.perf_counter()
     rng = np.random.default_rng(0)
     results = {
@@ -234,7 +240,7 @@ def main() -> None:
     out["seconds"] = time.perf_counter() - start
     for k, v in results.items():
         print(f"== {k}\n   paper: {PAPER[k]}\n   ours:  {json.dumps(v)}")
-    path = Path(__file__).parent / "results" / "planner_aurora.json"
+    path = Path(args.out)
     path.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {path} in {out['seconds']:.1f} s")
 

@@ -70,9 +70,17 @@ def test_png_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
     args = parse(["plan", "perlmutter:1", "--experts", "8", "--png", str(tmp_path / "p.png")])
     with pytest.raises(ImportError, match=r"pip install 'aristax\[plot\]'"):
         args.func(args)
-    args = parse(["plan", "perlmutter:1", "--experts", "8", "--png", str(tmp_path / "p.jpg")])
-    with pytest.raises(ValueError, match="--png"):
-        args.func(args)
+
+
+
+def test_bad_arguments_print_a_message_and_exit_2(tmp_path, capsys):
+    for argv, said in ((["--png", str(tmp_path / "p.jpg")], "--png"),
+                       (["--top-k", "100"], "top_k=100"),
+                       (["--experts", "100000"], "num_experts")):
+        args = parse(["plan", "perlmutter:1", "--experts", "8", *argv])
+        assert args.func(args) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("aristax plan: ") and said in err
 
 
 def test_bad_topology_spec():

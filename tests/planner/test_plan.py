@@ -99,6 +99,11 @@ def test_validation_errors():
         ModelSpec(num_experts=4, expert_load=(1.0, 2.0))
     with pytest.raises(ValueError, match="num_replicas"):
         ModelSpec(num_experts=4, num_replicas=3)
+    with pytest.raises(ValueError, match=r"top_k=5 must be between 1 and num_experts=4"):
+        ModelSpec(num_experts=4, top_k=5)
+    with pytest.raises(ValueError, match="top_k"):
+        ModelSpec(num_experts=4, top_k=0)
+    assert ModelSpec(num_experts=4, top_k=4).top_k == 4
     with pytest.raises(ValueError, match="fewer than num_experts"):
         make_plan(top, ModelSpec(num_experts=6), groups=[[0], [1, 2, 3]])
     with pytest.raises(ValueError, match="select"):

@@ -65,3 +65,24 @@ def test_bad_sources_and_short_splits_name_the_problem(tmp_path):
         data_lib.read_tokens(DataConfig(source=str(tmp_path / "missing")))
     with pytest.raises(ValueError, match="held-out split"):
         data_lib.split(np.arange(100, dtype=np.int32), 0.05, 32)
+
+
+def test_bad_npy_and_tokenizer_files_name_the_config_key(tmp_path):
+    np.save(tmp_path / "floats.npy", np.array([0.7, 1.9, 2.5]))
+    with pytest.raises(ValueError, match=r"data.source=.*floats.npy.*float64.*integer dtype"):
+        data_lib.read_tokens(DataConfig(source=str(tmp_path / "floats.npy")))
+    np.save(tmp_path / "empty.npy", np.array([], dtype=np.int32))
+    with pytest.raises(ValueError, match=r"data.source=.*empty.npy.*no token ids"):
+        data_lib.read_tokens(DataConfig(source=str(tmp_path / "empty.npy")))
+    with pytest.raises(FileNotFoundError, match=r"data.source=.*missing.npy"):
+        data_lib.read_tokens(DataConfig(source=str(tmp_path / "missing.npy")))
+    pytest.importorskip("tokenizers")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("hello " * 50)
+    missing = str(tmp_path / "nonexistent.json")
+    with pytest.raises(FileNotFoundError, match=r"data.tokenizer=.*nonexistent.json"):
+        data_lib.read_tokens(DataConfig(source=str(tmp_path / "docs"), tokenizer=missing))
+    (tmp_path / "broken.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"data.tokenizer=.*broken.json.*tokenizer.json"):
+        data_lib.read_tokens(DataConfig(source=str(tmp_path / "docs"),
+                                        tokenizer=str(tmp_path / "broken.json")))

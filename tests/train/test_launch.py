@@ -1,5 +1,6 @@
 """`aristax launch --local-processes 2`: two processes (4 CPU devices each, gloo) train
-together and agree; a process that dies stops the other within a bounded time."""
+together and agree; a process that dies stops the other within a bounded time; bad
+process counts are CLI errors before any process starts."""
 
 from __future__ import annotations
 
@@ -11,6 +12,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
+
+from aristax import cli
+from aristax.train import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["model.d_model=32", "model.d_ff=64", "model.seq_len=32", "data.batch_size=8",
@@ -59,3 +65,25 @@ def test_a_dead_process_stops_the_others(tmp_path):
     assert time.monotonic() - start < 60
     assert proc.returncode == 1
     assert f"process 1 (pid {pid}) exited with code -9" in err
+
+
+def test_bad_process_counts_are_cli_errors_before_any_process_starts(tmp_path, monkeypatch,
+                                                                     capsys):
+    def no_process(*args, **kwargs):
+        raise AssertionError("a process started")
+
+    monkeypatch.setattr(launch.subprocess, "Popen", no_process)
+    config = str(ROOT / "experiments" / "configs" / "tiny.yaml")
+    cases = {("0", "parallel.devices=8"): "--local-processes=0 must be >= 1",
+             ("3", "parallel.devices=8"): "parallel.devices=8 is not divisible by "
+                                          "--local-processes=3"}
+    for (n, devices), message in cases.items():
+        argv = ["launch", "--local-processes", n, config, devices, f"out_dir={tmp_path / 'run'}"]
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("aristax launch: ") and message in err
+    assert not (tmp_path / "run").exists()
+    # parallel.devices=0 leaves each process its own device count: any N is fine
+    launch.check_processes(3, 0)
+    with pytest.raises(ValueError, match="parallel.devices=8 is not divisible"):
+        launch.launch(config, [], 3, out_dir=tmp_path / "run", devices=8)
