@@ -346,7 +346,7 @@ def tokens_per_shard(num_tokens: int, mesh, expert_axis=EXPERT_AXIS, token_axes=
     """Tl: how many of ``num_tokens`` tokens each shard of ``expert_parallel_moe`` holds
     (``expert_axis`` and ``token_axes`` as there)."""
     axes = _token_axes(mesh, expert_axis, token_axes)
-    return num_tokens // int(np.prod([mesh.shape[a] for a in axes if a in mesh.axis_names]))
+    return num_tokens // int(np.prod([mesh.shape[a] for a in axes]))
 
 
 def _param_specs(params: MoEParams, expert_axis) -> MoEParams:

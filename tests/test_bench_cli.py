@@ -35,12 +35,17 @@ def test_bench_passes_the_remaining_arguments_to_the_script(capfd):
     assert cli.main(["bench", "planner_lysi_scaling", "--repeats", "x"]) == 2  # its own error
 
 
-@pytest.mark.parametrize("name", ["planner_aristos", "planner_aurora"])
-def test_bench_help_prints_usage_and_writes_nothing(name, tmp_path, monkeypatch, capfd):
-    # a copy of the script, so that one which ignores --help writes under tmp_path
+def _bench_copy(name, tmp_path, monkeypatch):
+    """``aristax bench`` runs a copy of the script, so that one which ignores its
+    arguments writes under tmp_path, not over the committed results."""
     (tmp_path / "results").mkdir()
     (tmp_path / f"{name}.py").write_text((BENCHMARKS / f"{name}.py").read_text())
     monkeypatch.setattr(cli, "BENCHMARKS", tmp_path)
+
+
+@pytest.mark.parametrize("name", ["planner_aristos", "planner_aurora"])
+def test_bench_help_prints_usage_and_writes_nothing(name, tmp_path, monkeypatch, capfd):
+    _bench_copy(name, tmp_path, monkeypatch)
     assert cli.main(["bench", name, "--help"]) == 0
     out = capfd.readouterr().out
     assert f"usage: {name}.py" in out and "--out" in out
@@ -49,9 +54,7 @@ def test_bench_help_prints_usage_and_writes_nothing(name, tmp_path, monkeypatch,
 
 @pytest.mark.parametrize("name", ["planner_aristos", "planner_aurora"])
 def test_bench_out_sets_the_results_path(name, tmp_path, monkeypatch, capfd):
-    (tmp_path / "results").mkdir()
-    (tmp_path / f"{name}.py").write_text((BENCHMARKS / f"{name}.py").read_text())
-    monkeypatch.setattr(cli, "BENCHMARKS", tmp_path)
+    _bench_copy(name, tmp_path, monkeypatch)
     out = tmp_path / "out.json"
     assert cli.main(["bench", name, "--out", str(out)]) == 0
     assert "paper" in json.loads(out.read_text())
