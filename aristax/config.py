@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid", "expert_choice")
@@ -75,13 +76,21 @@ def _check_implementation(value: Any) -> None:
               f"use None, a name or an ordered list of names from {BACKEND_NAMES}")
 
 
-def _check_dtype(field: str, value: Any) -> None:
+def check_float_dtype(field: str, value: Any, owner: str = "MoEConfig") -> None:
+    """A floating dtype that JAX can hold now (None passes): float64 needs 64-bit mode,
+    without which JAX silently makes float32 arrays."""
     if value is None:
         return
     try:
-        jnp.dtype(value)
+        dtype = jnp.dtype(value)
     except TypeError:
-        _fail(field, value, "use a JAX dtype such as 'float32' or 'bfloat16'")
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        _fail(field, value, "use a floating JAX dtype such as 'float32' or 'bfloat16'", owner)
+    if dtype == jnp.float64 and not jax.config.jax_enable_x64:
+        _fail(field, value, "float64 needs JAX's 64-bit mode (JAX_ENABLE_X64=1 or "
+              "jax.config.update('jax_enable_x64', True)) before the config is built; "
+              "otherwise use 'float32'", owner)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,8 +240,8 @@ class MoEConfig:
         if isinstance(self.implementation, Sequence) and not isinstance(self.implementation, str):
             # a list (from a YAML config, say) as a tuple: the config must stay hashable
             object.__setattr__(self, "implementation", tuple(self.implementation))
-        _check_dtype("dtype", self.dtype)
-        _check_dtype("param_dtype", self.param_dtype)
+        check_float_dtype("dtype", self.dtype)
+        check_float_dtype("param_dtype", self.param_dtype)
 
     @property
     def router_config(self) -> RouterConfig:

@@ -255,6 +255,8 @@ def test_nonfinite_tokens_leave_the_gradients_alone(implementation):
     ("capacity_factor", dict(capacity_factor=-1.0)),
     ("drop_policy", dict(drop_policy="random")),
     ("dtype", dict(dtype="float17")),
+    ("param_dtype", dict(param_dtype="int8")),  # parameters must be floating
+    ("param_dtype", dict(param_dtype="float64")),  # without 64-bit mode JAX makes float32
     ("num_chunks", dict(num_chunks=0)),
     ("top_k", dict(top_k=True)),
     ("routed_scaling_factor", dict(routed_scaling_factor=-1.0)),

@@ -30,7 +30,7 @@ from flax import nnx
 
 from aristax import MoE, MoEConfig
 from aristax import routing as routing_lib
-from aristax.config import RouterConfig
+from aristax.config import RouterConfig, check_float_dtype
 from aristax.models import sparse_moe
 
 _FIELDS_HF_ONLY = ("dtype",)
@@ -102,10 +102,7 @@ class MixtralConfig:
             raise _bad("router_jitter_noise", self.router_jitter_noise, "must be in [0, 1)")
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
-        try:
-            jnp.dtype(self.dtype)
-        except TypeError:
-            raise _bad("dtype", self.dtype, "use a JAX dtype name such as 'float32'") from None
+        check_float_dtype("dtype", self.dtype, "MixtralConfig")
 
     # ----------------------------------------------------------------- HF config
     @classmethod

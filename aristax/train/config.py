@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
@@ -190,11 +191,36 @@ def validate(cfg: TrainConfig) -> None:
            cfg.parallel.expert_capacity) < 0:
         raise ConfigError("parallel.devices, group_size, num_chunks and expert_capacity must "
                           "be >= 0 (0: decide automatically)")
+    m = cfg.model
+    if m.num_heads >= 1 and m.d_model % m.num_heads:
+        raise ConfigError(f"model.d_model={m.d_model} must be divisible by model.num_heads="
+                          f"{m.num_heads} (each head gets d_model / num_heads dims)")
     try:
-        moe_config(cfg.model, cfg.parallel)  # its errors name the model.* field
-        mixtral_config(cfg.model)
+        moe_config(m, cfg.parallel)
+        mixtral_config(m)
     except ValueError as err:
-        raise ConfigError(f"model: {err}") from None
+        raise ConfigError(_with_config_keys(str(err))) from None
+
+
+# The MixtralConfig / MoEConfig fields that keys of another name set; every other field
+# X of theirs is set by model.X.
+_KEY_OF_FIELD = {
+    "hidden_size": "model.d_model", "intermediate_size": "model.d_ff",
+    "num_hidden_layers": "model.num_layers", "num_attention_heads": "model.num_heads",
+    "num_key_value_heads": "model.num_kv_heads", "num_local_experts": "model.num_experts",
+    "num_experts_per_tok": "model.top_k", "max_position_embeddings": "model.seq_len",
+    "router_aux_loss_coef": "model.lb_loss_coef", "param_dtype": "model.dtype",
+    "exchange_backend": "parallel.exchange_backend", "num_chunks": "parallel.num_chunks"}
+
+
+def _with_config_keys(message: str) -> str:
+    """A MoEConfig/MixtralConfig error with the fields it names written as the config
+    keys that set them ("MixtralConfig.num_attention_heads=3" -> "model.num_heads=3")."""
+    def key(field: re.Match) -> str:
+        owner, name = field[1], field[2]
+        return _KEY_OF_FIELD.get(name, f"model.{name}" if owner else name)
+
+    return re.sub(r"(?<![\w.])(MoEConfig\.|MixtralConfig\.)?(\w+)(?==)", key, message)
 
 
 def mixtral_config(m: ModelConfig, vocab_size: int | None = None) -> MixtralConfig:
