@@ -190,8 +190,15 @@ def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float, dtype) -> tu
 
     inv_freq[i] = 1 / theta^(2i / Dh) in float32; angles = positions * inv_freq, repeated
     twice along the last axis (HF ``MixtralRotaryEmbedding``). positions: int[B, S].
+
+    torch raises float32 theta to the float32 exponents; the power is taken here in
+    float64 and rounded, which agrees with torch's where numpy's float32 ``pow`` is one
+    rounding step off (for theta 1e6, Dh 128: 1 of 64 frequencies differ, against 14),
+    and a wrong last bit moves cos/sin by up to ~1e-3 at positions near 32k.
     """
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+    power = (np.float64(np.float32(theta)) ** exponent.astype(np.float64)).astype(np.float32)
+    inv_freq = np.float32(1.0) / power
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)

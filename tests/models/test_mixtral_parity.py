@@ -12,6 +12,7 @@ from flax import nnx
 from mixtral_cases import hf_logits, left_padded
 
 from aristax.models import Mixtral, forward, generate, sparse_moe
+from aristax.models.mixtral import rope_cos_sin
 
 RTOL, ATOL = 1e-4, 1e-5
 PROMPT, NEW = 9, 32
@@ -41,6 +42,20 @@ def test_padded_logits_and_aux_loss_match_hf(pair):
     # the mask must matter: without it the aux loss differs
     unmasked = float(forward(pair.ours, jnp.asarray(ids)).aux_loss)
     assert abs(unmasked - float(ref.aux_loss)) > 1e-6
+
+
+@pytest.mark.parametrize("head_dim,theta", [(128, 1e6), (128, 1e4), (64, 1e4), (16, 37.0),
+                                            (96, 123456.7)])
+def test_rotary_cos_sin_match_hf_at_long_positions(head_dim, theta):
+    """A frequency one float32 rounding step off moves cos/sin by ~1e-3 near 32k."""
+    hf_cfg = transformers.MixtralConfig(hidden_size=4 * head_dim, num_attention_heads=4,
+                                        head_dim=head_dim, rope_theta=theta)
+    rotary = transformers.models.mixtral.modeling_mixtral.MixtralRotaryEmbedding(hf_cfg)
+    positions = np.array([[0, 1, 100, 4095, 8191, 32767, 65535, 131071]])
+    cos, sin = rotary(torch.zeros(1, positions.shape[1], head_dim), torch.tensor(positions))
+    ours = rope_cos_sin(jnp.asarray(positions, jnp.int32), head_dim, theta, jnp.float32)
+    np.testing.assert_allclose(np.asarray(ours[0]), cos.numpy(), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(ours[1]), sin.numpy(), rtol=0, atol=1e-5)
 
 
 def test_sliding_window_matters(small_pair):
