@@ -38,7 +38,9 @@ from safetensors.numpy import save_file
 
 from aristax.models.mixtral import Mixtral, MixtralConfig
 
+SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+SHARD_GLOB = "model-*-of-*.safetensors"
 # Buffers some old checkpoints carry; they are recomputed, never loaded.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -48,11 +50,17 @@ class CheckpointError(ValueError):
 
 
 class _Reader:
-    """Lazy access to the tensors of a checkpoint directory, by name."""
+    """Lazy access to the tensors of a checkpoint directory, by name: ``model.safetensors``
+    when present (as transformers prefers it), else the shards of the index, else every
+    ``*.safetensors`` file."""
 
     def __init__(self, directory: Path):
         index = directory / INDEX_FILE
-        if index.exists():
+        single = directory / SINGLE_FILE
+        if single.exists():
+            with safe_open(single, framework="np") as f:
+                files = {name: single for name in f.keys()}
+        elif index.exists():
             weight_map = json.loads(index.read_text())["weight_map"]
             files = {name: directory / f for name, f in weight_map.items()}
         else:
@@ -204,8 +212,32 @@ def _check_all_set(model: Mixtral) -> None:
             var.set_value(jnp.zeros(value.shape, value.dtype))
 
 
+# The MoEConfig fields that change what a MoE block computes (not how or what it
+# trains with): a checkpoint in Mixtral's layout holds only Mixtral's values of them.
+_MOE_FIELDS_OF_A_CHECKPOINT = (
+    "num_experts", "top_k", "d_model", "d_ff", "activation", "router", "normalize_weights",
+    "num_groups", "topk_groups", "routed_scaling_factor", "bias_update_rate",
+    "capacity_factor", "num_shared_experts")
+
+
+def _check_mixtral_moe(model: Mixtral) -> None:
+    """Raise unless every MoE block computes Mixtral's (``config.moe_config()``)."""
+    mixtral = model.config.moe_config()
+    for i, layer in enumerate(model.layers):
+        differ = [f"{name}={getattr(layer.moe.config, name)!r} (Mixtral: "
+                  f"{getattr(mixtral, name)!r})" for name in _MOE_FIELDS_OF_A_CHECKPOINT
+                  if getattr(layer.moe.config, name) != getattr(mixtral, name)]
+        if differ:
+            raise ValueError(
+                f"layer {i}'s MoE block is not Mixtral's: {', '.join(differ)}; a Hugging "
+                "Face Mixtral checkpoint cannot hold it (it would load as another model). "
+                "Save the parameters with orbax (nnx.state(model)) instead")
+
+
 def hf_tensors(model: Mixtral) -> dict[str, np.ndarray]:
-    """The model's weights as Hugging Face (per-expert layout) numpy tensors."""
+    """The model's weights as Hugging Face (per-expert layout) numpy tensors; raises for
+    a model built with a ``moe_config`` other than Mixtral's."""
+    _check_mixtral_moe(model)
     cfg = model.config
     arr: Callable = lambda p: np.asarray(p[...])  # noqa: E731
     out = {"model.embed_tokens.weight": arr(model.embed_vd),
@@ -237,13 +269,18 @@ def save_pretrained(
     With ``max_shard_bytes`` the tensors are split into ``model-0000i-of-0000n``
     shards plus ``model.safetensors.index.json`` (as ``save_pretrained`` shards).
     """
+    tensors = hf_tensors(model)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    # a previous save's weights would shadow these (a loader takes model.safetensors
+    # before an index, so a sharded save over a single file would not be read)
+    for stale in [directory / SINGLE_FILE, directory / INDEX_FILE,
+                  *directory.glob(SHARD_GLOB)]:
+        stale.unlink(missing_ok=True)
     (directory / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2))
-    tensors = hf_tensors(model)
     metadata = {"format": "pt"}
     if max_shard_bytes is None:
-        save_file(tensors, str(directory / "model.safetensors"), metadata=metadata)
+        save_file(tensors, str(directory / SINGLE_FILE), metadata=metadata)
         return
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0

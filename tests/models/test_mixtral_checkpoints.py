@@ -4,6 +4,7 @@ carries out a placement plan reads and writes experts in logical order."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from flax import nnx
 from mixtral_cases import CASES, hf_logits, make_hf
 from safetensors.numpy import load_file, save_file
 from safetensors.torch import save_file as torch_save_file
@@ -87,6 +89,36 @@ def test_untied_checkpoint_without_lm_head_fails(small_pair, tmp_path):
     _edit_checkpoint(small_pair.path, tmp_path, lambda t: t.pop("lm_head.weight"))
     with pytest.raises(CheckpointError, match="lm_head.weight"):
         Mixtral.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("first_sharded", [True, False])
+def test_saving_over_a_checkpoint_replaces_its_weights(small_pair, tmp_path, first_sharded):
+    """Another model saved there first, sharded or not, then ours the other way: both
+    aristax and transformers read ours (a stale model.safetensors shadows an index)."""
+    other = Mixtral(small_pair.ours.config, rngs=nnx.Rngs(3))
+    other.save_pretrained(tmp_path, max_shard_bytes=20_000 if first_sharded else None)
+    small_pair.ours.save_pretrained(tmp_path, max_shard_bytes=None if first_sharded else 20_000)
+    _assert_same_logits(Mixtral.from_pretrained(tmp_path), small_pair)
+    hf = transformers.MixtralForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    np.testing.assert_array_equal(hf_logits(hf.eval(), _ids(small_pair)).logits.numpy(),
+                                  hf_logits(small_pair.hf, _ids(small_pair)).logits.numpy())
+
+
+@pytest.mark.parametrize("change", [dict(top_k=1), dict(num_shared_experts=1),
+                                    dict(router="sigmoid"), dict(capacity_factor=1.0)])
+def test_save_refuses_a_moe_block_that_is_not_mixtrals(small_pair, tmp_path, change):
+    cfg = small_pair.ours.config
+    model = Mixtral(cfg, rngs=nnx.Rngs(0), moe_config=dataclasses.replace(cfg.moe_config(),
+                                                                          **change))
+    name, value = next(iter(change.items()))
+    with pytest.raises(ValueError, match=rf"layer 0's MoE block is not Mixtral's: {name}="
+                                         rf"{value!r}"):
+        model.save_pretrained(tmp_path)
+    assert not list(tmp_path.iterdir())  # nothing written
+    # how it computes (kernels, chunks) is not part of a checkpoint
+    same = Mixtral(cfg, rngs=nnx.Rngs(0), moe_config=dataclasses.replace(
+        cfg.moe_config(), implementation="reference", num_chunks=2))
+    same.save_pretrained(tmp_path)
 
 
 def test_missing_config_fails(tmp_path):
