@@ -6,7 +6,9 @@ Letters: B batch, S prompt length, N new tokens, L = S + N cache slots, V vocabu
 Left-padded batches follow Hugging Face ``generate``: position ids are
 ``cumsum(attention_mask) - 1`` (0 on padding), padding keys are masked, each new token
 takes the next position of its row, and rows that emitted an EOS token continue with
-``pad_token_id`` until every row is done (then generation stops early).
+``pad_token_id`` until every row is done (then generation stops early). As there, the
+EOS and pad ids default to the model config's, and without an ``attention_mask`` one
+is inferred from the pad id when the prompts hold it (and it is not an EOS id).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from aristax.models.mixtral import DecodeWeights, KVCache, Mixtral
+from aristax.models.mixtral import DecodeWeights, KVCache, Mixtral, check_token_ids
 
 
 # --------------------------------------------------------------------- sampling
@@ -118,12 +120,34 @@ class GenerationStats:
         return 1e3 * self.decode_s / max(self.decode_steps, 1)
 
 
-def _check_left_padded(mask: np.ndarray) -> None:
+def _check_left_padded(mask: np.ndarray, inferred_from_pad: int | None) -> None:
+    name = ("attention_mask" if inferred_from_pad is None else "the attention_mask "
+            f"inferred from pad_token_id={inferred_from_pad} (as Hugging Face infers it)")
     if not np.all(np.diff(mask.astype(np.int8), axis=1) >= 0):
-        raise ValueError("attention_mask must be left-padded (0s before 1s in every row); "
-                         "pad prompts on the left as Hugging Face generate expects")
+        raise ValueError(f"{name} must be left-padded (0s before 1s in every row); pad "
+                         "prompts on the left as Hugging Face generate expects")
     if not np.all(mask[:, -1]):
-        raise ValueError("attention_mask: every prompt needs at least one real token")
+        raise ValueError(f"{name}: every prompt needs at least one real token")
+
+
+def pad_marks_padding(ids: np.ndarray, pad: int | None, eos: tuple[int, ...]) -> bool:
+    """Hugging Face's rule for prompts without an attention mask: the pad id marks
+    padding when there is one, the prompts hold it and it is not an EOS id."""
+    return pad is not None and bool(np.any(ids == pad)) and pad not in eos
+
+
+def _special_ids(model: Mixtral, eos_token_id, pad_token_id
+                 ) -> tuple[tuple[int, ...], int | None]:
+    """(EOS ids, pad id or None) as Hugging Face resolves them: the config's where not
+    given, the pad id falling back to the first EOS id."""
+    if eos_token_id is None:
+        eos_token_id = model.config.eos_token_id
+    eos = () if eos_token_id is None else tuple(int(e) for e in np.atleast_1d(eos_token_id))
+    if pad_token_id is None:
+        pad_token_id = model.config.pad_token_id
+    if pad_token_id is None and eos:
+        pad_token_id = eos[0]
+    return eos, pad_token_id
 
 
 def generate_with_stats(
@@ -150,13 +174,19 @@ def generate_with_stats(
         raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p={top_p} must be in (0, 1]")
+    check_token_ids(ids, model.config.vocab_size)
     B, S = ids.shape
-    mask = np.ones((B, S), bool) if attention_mask is None else np.asarray(attention_mask) != 0
+    eos, pad = _special_ids(model, eos_token_id, pad_token_id)
+    inferred_from = None
+    if attention_mask is not None:
+        mask = np.asarray(attention_mask) != 0
+    elif pad_marks_padding(ids, pad, eos):
+        mask, inferred_from = ids != pad, pad
+    else:
+        mask = np.ones((B, S), bool)
     if mask.shape != (B, S):
         raise ValueError(f"attention_mask has shape {mask.shape}, input_ids {ids.shape}")
-    _check_left_padded(mask)
-    eos = () if eos_token_id is None else tuple(np.atleast_1d(eos_token_id).tolist())
-    pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
+    _check_left_padded(mask, inferred_from)
     position_ids = np.where(mask, np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
     do_sample = temperature > 0
     rng = jax.random.key(0) if rng is None else rng
@@ -168,7 +198,7 @@ def generate_with_stats(
     # EOS ids padded with -1 (never a token) to a fixed length: no recompile per count
     eos_padded = np.full(max(4, len(eos)), -1, np.int32)
     eos_padded[:len(eos)] = eos
-    stop = (eos_padded, np.int32(pad))
+    stop = (eos_padded, np.int32(0 if pad is None else pad))  # no pad: no EOS, unused
 
     prefill, decode = compiled_steps(graphdef)
     tokens, times = [], []
@@ -222,13 +252,18 @@ def generate(
 
     Args:
       model: a ``Mixtral``.
-      input_ids: int[B, S] prompts, left-padded to a common length S.
+      input_ids: int[B, S] prompts, left-padded to a common length S; ids in
+        [0, vocab_size).
       max_new_tokens: N, tokens to generate per row.
-      attention_mask: [B, S] 1 for real tokens, 0 for left padding (None: all real).
+      attention_mask: [B, S] 1 for real tokens, 0 for left padding (None: inferred
+        from the pad id as HF does, see ``pad_token_id``, else all real).
       temperature: 0 = greedy (argmax); > 0 samples softmax(logits / temperature).
       top_p: nucleus sampling threshold (HF ``TopPLogitsWarper``), used when sampling.
-      eos_token_id: id or ids that end a row; generation stops when all rows ended.
-      pad_token_id: emitted by ended rows (default: the first EOS id, as HF).
+      eos_token_id: id or ids that end a row; generation stops when all rows ended
+        (default: ``model.config.eos_token_id``, as HF; ``()`` for none).
+      pad_token_id: emitted by ended rows (default: ``model.config.pad_token_id``,
+        else the first EOS id, as HF). Without ``attention_mask``, prompts holding it
+        are taken as padded with it (HF's rule; not when it is an EOS id).
       rng: PRNG key for sampling (default ``jax.random.key(0)``).
       decode_weights: ``model.decode_weights()`` made once and reused across calls
         (default: made per call, which copies the streamed weights).

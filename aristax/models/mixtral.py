@@ -165,12 +165,23 @@ class MixtralConfig:
             router="softmax_topk",
             normalize_weights=True,
             lb_loss_coef=self.router_aux_loss_coef,
-            router_jitter=self.router_jitter_noise,
-            param_dtype=self.dtype,
+            param_dtype=self.dtype,  # router_jitter_noise: DecoderLayer jitters the input
         )
 
     def replace(self, **changes) -> MixtralConfig:
         return dataclasses.replace(self, **changes)
+
+
+def check_token_ids(input_ids, vocab_size: int) -> None:
+    """Raise unless every id is in [0, vocab_size) (an embedding lookup would give NaN
+    rows, or wrap -1 to the last token, silently). Traced ids are not checked."""
+    if isinstance(input_ids, jax.core.Tracer):
+        return
+    ids = np.asarray(input_ids)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"input_ids hold ids from {ids.min()} to {ids.max()}, outside this "
+                         f"model's vocabulary [0, {vocab_size}); check the tokenizer or "
+                         "the padding id")
 
 
 # --------------------------------------------------------------------- pure functions
@@ -405,7 +416,13 @@ class Attention(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """x + attn(norm(x)), then h + moe(norm(h)) (HF ``MixtralDecoderLayer``)."""
+    """x + attn(norm(x)), then h + moe(norm(h)) (HF ``MixtralDecoderLayer``).
+
+    In training mode (``deterministic`` False, ``model.train()``) with
+    ``router_jitter_noise`` eps > 0 the MoE block's input is multiplied by U(1 - eps,
+    1 + eps) noise, which the router and the experts both see (HF
+    ``MixtralSparseMoeBlock``; ``MoEConfig.router_jitter`` jitters the router only).
+    """
 
     def __init__(self, config: MixtralConfig, *, rngs: nnx.Rngs, moe_config: MoEConfig,
                  mesh=None, plan=None):
@@ -414,6 +431,9 @@ class DecoderLayer(nnx.Module):
         self.attn = Attention(config, rngs=rngs)
         self.post_attention_norm = RMSNorm(D, eps, dt)
         self.moe = MoE(moe_config, rngs=rngs, mesh=mesh, plan=plan)
+        self.jitter_noise = config.router_jitter_noise
+        self.jitter_rngs = rngs.fork() if self.jitter_noise > 0 else None
+        self.deterministic = False
 
     def __call__(self, x, cos, sin, key_valid, query_slots, kv=None, index=None,
                  weights: LayerDecodeWeights | None = None):
@@ -425,6 +445,8 @@ class DecoderLayer(nnx.Module):
                           weights)
         h = x + a
         m_in = self.post_attention_norm(h)
+        if self.jitter_rngs is not None and not self.deterministic:
+            m_in = routing_lib.apply_jitter(m_in, self.jitter_noise, self.jitter_rngs())
         B, S, D = m_in.shape
         cfg, router = self.moe.config, self.moe.router
         if weights is not None and weights.experts is not None:
@@ -503,7 +525,7 @@ class Mixtral(nnx.Module):
         """Forward pass.
 
         Args:
-          input_ids: int[B, S].
+          input_ids: int[B, S], ids in [0, vocab_size).
           attention_mask: [B, S], 1 for real tokens, 0 for (left) padding; None: all 1.
           position_ids: int[B, S]; None: ``index + arange(S)`` as HF's forward (note:
             ``generate`` passes ``cumsum(attention_mask) - 1`` for padded prompts).
@@ -520,6 +542,7 @@ class Mixtral(nnx.Module):
         cfg = self.config
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}")
+        check_token_ids(input_ids, cfg.vocab_size)
         B, S = input_ids.shape
         valid = (jnp.ones((B, S), bool) if attention_mask is None
                  else jnp.asarray(attention_mask).astype(bool))
@@ -597,6 +620,7 @@ def forward(
     Calling the module directly runs op by op (each op compiled on first use); this
     traces the whole forward into one ``jax.jit`` program over ``nnx.split(model)``.
     """
+    check_token_ids(input_ids, model.config.vocab_size)
     graphdef, state = nnx.split(model)
     return _forward(graphdef, state, input_ids, attention_mask, position_ids,
                     decode_weights, last_only)

@@ -18,7 +18,7 @@ from aristax.models import Mixtral  # noqa: E402
 
 BASE = dict(vocab_size=160, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
             num_attention_heads=4, max_position_embeddings=256, rope_theta=10000.0,
-            bos_token_id=1, eos_token_id=2, pad_token_id=None)
+            bos_token_id=1, eos_token_id=None, pad_token_id=None)  # no EOS: full length
 
 CASES = {
     # top-2 over 4 experts, GQA (4 query heads on 2 KV heads), window 6 < prompt lengths
@@ -59,8 +59,6 @@ def make_hf(overrides: dict, seed: int = 0):
                 p.copy_(1 + 0.1 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.2)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
     return model
 
 

@@ -3,6 +3,8 @@ generation (single prompt and left-padded batch), EOS handling, checkpoint round
 
 from __future__ import annotations
 
+import json
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,7 +13,8 @@ import transformers
 from flax import nnx
 from mixtral_cases import hf_logits, left_padded
 
-from aristax.models import Mixtral, forward, generate, sparse_moe
+from aristax import routing
+from aristax.models import Mixtral, MixtralConfig, forward, generate, sparse_moe
 from aristax.models.mixtral import rope_cos_sin
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -106,6 +109,54 @@ def test_eos_stops_rows_like_hf(small_pair):
                     pad_token_id=0)
     np.testing.assert_array_equal(ours, ref)
     assert (ours[0, PROMPT + 4:] == 0).all()
+
+
+def test_default_eos_pad_and_inferred_mask_follow_the_config_like_hf(small_pair, tmp_path):
+    """Given no EOS, pad or mask, both read the checkpoint config's EOS and pad ids and
+    infer the mask of left-padded prompts from the pad id (HF's rule)."""
+    ids, mask = left_padded(np.random.default_rng(4), [PROMPT, 5, 1], PROMPT,
+                            small_pair.hf.config.vocab_size)  # pad id 0
+    eos = int(hf_generate(small_pair.hf, ids, mask)[0, PROMPT + 3])
+    assert eos != 0  # else the pad id would be an EOS id and no mask inferred
+    small_pair.hf.save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").unlink()  # HF then reads config.json's ids
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "eos_token_id": eos,
+                                                      "pad_token_id": 0}))
+    hf = transformers.MixtralForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    with torch.no_grad():
+        ref = hf.eval().generate(torch.as_tensor(ids), max_new_tokens=NEW,
+                                 do_sample=False).numpy()
+    ours = generate(Mixtral.from_pretrained(tmp_path), ids, NEW)
+    np.testing.assert_array_equal(ours, ref)
+    explicit = generate(small_pair.ours, ids, NEW, attention_mask=mask, eos_token_id=eos,
+                        pad_token_id=0)
+    np.testing.assert_array_equal(ours, explicit)
+    assert (ours[0, PROMPT + 4:] == 0).all()
+
+
+def test_router_jitter_noise_reaches_router_and_experts(monkeypatch):
+    """HF's MixtralSparseMoeBlock multiplies its whole input by the noise in training,
+    so the experts see it too. With the noise fixed at 1 + eps that equals the eval
+    model with the post-attention norm weights times 1 + eps."""
+    eps = 0.25
+    monkeypatch.setattr(routing, "apply_jitter", lambda x, eps, rng: x * (1 + eps))
+    cfg = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=24,
+                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                        num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=eps)
+    model = Mixtral(cfg, rngs=nnx.Rngs(0))
+    ids = jnp.asarray(np.random.default_rng(9).integers(0, 64, size=(2, 7)))
+    model.eval()
+    eval_logits = model(ids).logits
+    model.train()
+    train_logits = model(ids).logits
+    model.eval()
+    for layer in model.layers:
+        layer.post_attention_norm.weight_d.set_value(layer.post_attention_norm.weight_d[...]
+                                                     * (1 + eps))
+    np.testing.assert_allclose(np.asarray(train_logits), np.asarray(model(ids).logits),
+                               rtol=1e-5, atol=1e-6)
+    assert np.abs(np.asarray(train_logits) - np.asarray(eval_logits)).max() > 1e-3
 
 
 @pytest.mark.parametrize("batch, seq", [(B, S), (3, 30)])
