@@ -25,7 +25,7 @@ EXCHANGE_BACKENDS = ("padded", "ragged", "ragged_emulated", "scheduled", "hierar
 
 
 def _fail(field: str, value: Any, allowed: str, owner: str = "MoEConfig") -> None:
-    raise ValueError(f"{owner}.{field}={value!r} is invalid: {allowed}")
+    raise ValueError(f"{owner + '.' if owner else ''}{field}={value!r} is invalid: {allowed}")
 
 
 def _is_int(value: Any) -> bool:
@@ -155,7 +155,8 @@ class MoEConfig:
         one MLP of width ``num_shared_experts * (shared_d_ff or d_ff)``.
       shared_d_ff: width of one shared expert (default ``d_ff``).
       router_jitter: multiplicative noise U(1-eps, 1+eps) on the router input during
-        training (Switch Transformer, Mixtral's ``router_jitter_noise``).
+        training (Switch Transformer). Mixtral's ``router_jitter_noise`` jitters the
+        experts' input as well; ``aristax.models.Mixtral`` applies that itself.
       lb_loss_coef: weight of the Switch/GShard load-balancing loss in ``aux["loss"]``.
       seq_aux_loss_coef: weight of the sequence-wise balance loss (DeepSeek-V3).
       z_loss_coef: weight of the router z-loss (ST-MoE).

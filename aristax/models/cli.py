@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -40,32 +41,51 @@ def register(subparsers) -> argparse.ArgumentParser:
 def _tokenizer(checkpoint: Path):
     path = checkpoint / "tokenizer.json"
     if not path.exists():
-        raise SystemExit(f"--text needs {path}; pass token ids with --ids instead")
+        raise ValueError(f"--text needs {path}; pass token ids with --ids instead")
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(path))
 
 
+def _check_flags(args: argparse.Namespace) -> None:
+    """The flags' ranges, before the checkpoint is read."""
+    from aristax.config import check_float_dtype
+
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature={args.temperature} must be >= 0 (0 = greedy)")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p={args.top_p} must be in (0, 1]")
+    check_float_dtype("--dtype", args.dtype, owner="")
+    if not (Path(args.checkpoint) / "config.json").exists():
+        raise FileNotFoundError(f"{args.checkpoint} has no config.json: not a Hugging Face "
+                                "checkpoint directory")
+
+
 def run(args: argparse.Namespace) -> int:
-    """Handler of ``aristax generate``; returns the exit code."""
+    """Handler of ``aristax generate``; returns the exit code (2: bad arguments)."""
+    try:
+        _check_flags(args)
+        return _generate(args)
+    except (ValueError, FileNotFoundError) as err:  # CheckpointError is a ValueError
+        print(f"aristax generate: {err}", file=sys.stderr)
+        return 2
+
+
+def _generate(args: argparse.Namespace) -> int:
     import jax
 
     from aristax.models.generate import generate_with_stats
     from aristax.models.mixtral import Mixtral
 
     checkpoint = Path(args.checkpoint)
-    model = Mixtral.from_pretrained(checkpoint, dtype=args.dtype)
     tokenizer = _tokenizer(checkpoint) if args.text is not None else None
-    if tokenizer is not None:
-        prompt = tokenizer.encode(args.text).ids
-    else:
-        prompt = args.ids
-    vocab = model.config.vocab_size
-    if not prompt or min(prompt) < 0 or max(prompt) >= vocab:
-        raise SystemExit(f"prompt ids must be non-empty and in [0, {vocab}), got {prompt}")
-    eos = model.config.eos_token_id if args.eos_token_id is None else args.eos_token_id
-    if eos == -1:
-        eos = None
+    prompt = tokenizer.encode(args.text).ids if tokenizer is not None else args.ids
+    if not prompt:
+        raise ValueError("the prompt is empty: give --ids or a --text that tokenizes")
+    model = Mixtral.from_pretrained(checkpoint, dtype=args.dtype)
+    eos = () if args.eos_token_id == -1 else args.eos_token_id  # None: the config's
     ids, stats = generate_with_stats(
         model, np.asarray([prompt], np.int32), args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, eos_token_id=eos,

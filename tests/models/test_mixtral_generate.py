@@ -7,6 +7,9 @@ import argparse
 import contextlib
 import importlib
 import json
+import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +20,7 @@ import transformers
 from flax import nnx
 
 from aristax.models import cli as models_cli
-from aristax.models import generate
+from aristax.models import forward, generate
 from aristax.models.generate import top_p_mask
 
 # the module (``aristax.models.generate`` the attribute is the exported function)
@@ -91,6 +94,11 @@ def test_sampling(small_pair):
     (dict(attention_mask=np.array([[1, 1, 0]])), "left-padded"),
     (dict(attention_mask=np.array([[1, 1]])), "shape"),
     (dict(input_ids=np.zeros(3, np.int32)), "input_ids"),
+    # an id past the vocabulary gave NaN embeddings, -1 wrapped to the last token
+    (dict(input_ids=np.array([[1, 160, 3]])), r"input_ids hold ids from 1 to 160.*\[0, 160\)"),
+    (dict(input_ids=np.array([[-1, 3]])), r"from -1 to 3, outside .* vocabulary"),
+    # a mask inferred from the pad id (no attention_mask given) must be left-padded too
+    (dict(input_ids=np.array([[5, 0, 3]]), pad_token_id=0), "inferred from pad_token_id=0"),
 ])
 def test_generate_argument_errors(small_pair, kwargs, match):
     args = dict(input_ids=np.ones((1, 3), np.int32), max_new_tokens=4)
@@ -99,12 +107,44 @@ def test_generate_argument_errors(small_pair, kwargs, match):
         generate(small_pair.ours, args.pop("input_ids"), args.pop("max_new_tokens"), **args)
 
 
+def test_forward_refuses_ids_outside_the_vocabulary(small_pair):
+    with pytest.raises(ValueError, match=r"input_ids .* vocabulary \[0, 160\)"):
+        forward(small_pair.ours, jnp.asarray([[3, 200]]))
+    with pytest.raises(ValueError, match="vocabulary"):
+        small_pair.ours(jnp.asarray([[-2, 3]]))
+
+
 def _run_cli(argv, capsys):
     parser = argparse.ArgumentParser(prog="aristax")
     models_cli.register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["generate", *argv])
     assert args.func(args) == 0
     return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--ids", "1", "--max-new-tokens", "0"], "--max-new-tokens=0 must be >= 1"),
+    (["--ids", "1", "--temperature", "-1"], r"--temperature=-1.0 must be >= 0"),
+    (["--ids", "1", "--top-p", "1.5"], r"--top-p=1.5 must be in \(0, 1\]"),
+    (["--ids", "1", "--dtype", "foo"], "--dtype='foo' is invalid"),
+    (["--ids", "1", "999"], r"outside this model's vocabulary \[0, 160\)"),
+    (["--text", "w1"], "--text needs .*tokenizer.json"),
+])
+def test_cli_generate_errors_exit_2(small_pair, capsys, argv, match):
+    parser = argparse.ArgumentParser(prog="aristax")
+    models_cli.register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["generate", str(small_pair.path), *argv])
+    assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("aristax generate: ") and re.search(match, err), err
+
+
+def test_cli_generate_without_a_checkpoint_exits_2(tmp_path):
+    """Also through ``python -m aristax``."""
+    run = subprocess.run([sys.executable, "-m", "aristax", "generate", str(tmp_path / "none"),
+                          "--ids", "1"], capture_output=True, text=True)
+    assert run.returncode == 2
+    assert "has no config.json" in run.stderr and "Traceback" not in run.stderr
 
 
 def test_cli_generate_with_ids(small_pair, capsys):
