@@ -172,11 +172,23 @@ def moe(
     xc = x.astype(dtype)
     y = routed_experts(xc, dispatch, routing.weights, params, config,
                        dropless=is_dropless(config, xc.shape[0]))
-    if params.shared_up_df is not None:
-        y = y + dense_mlp(xc, params.shared_gate_df, params.shared_up_df,
-                          params.shared_down_fd, activation=config.activation)
+    y = with_shared_experts(y, xc, params, config)
     return y.astype(dtype), moe_aux(routing, routing.logits, dispatch.num_dropped, config,
                                     seq_len)
+
+
+def with_shared_experts(y: jax.Array, xc: jax.Array, params: MoEParams,
+                        config: MoEConfig) -> jax.Array:
+    """y [T, D] plus the shared experts' dense MLP of xc [T, D] (y itself when there
+    are none). A token with a NaN or inf feature is routed nowhere and gets y = 0; it
+    gets no shared output either, and adds nothing to the shared weights' gradient
+    (its inf times a zero cotangent would be NaN)."""
+    if params.shared_up_df is None:
+        return y
+    finite = jnp.all(jnp.isfinite(xc), axis=-1, keepdims=True)
+    shared = dense_mlp(jnp.where(finite, xc, 0), params.shared_gate_df, params.shared_up_df,
+                       params.shared_down_fd, activation=config.activation)
+    return y + jnp.where(finite, shared, 0)
 
 
 def route_tokens(

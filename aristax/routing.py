@@ -86,13 +86,22 @@ def finite_rows(logits: jax.Array) -> jax.Array:
     return jnp.all(jnp.isfinite(logits), axis=-1)
 
 
+def normalize_rows(w: jax.Array) -> jax.Array:
+    """w / sum(w) over the last axis. A row summing below the smallest normal float
+    (sigmoid scores of logits under about -87 underflow to 0) becomes 0, not 0/0 = NaN,
+    and passes no gradient."""
+    total = jnp.sum(w, axis=-1, keepdims=True)
+    ok = total >= jnp.finfo(w.dtype).tiny
+    return jnp.where(ok, w / jnp.where(ok, total, 1.0), 0.0)
+
+
 def token_scores(logits: jax.Array, router: str) -> tuple[jax.Array, jax.Array]:
     """(scores, probs) [T, E] of finite logits for a token-choice router: the
     selection scores (sigmoid, or softmax over E) and the probs the balancing losses
-    use (the sigmoid scores normalised over E, or the softmax)."""
+    use (the sigmoid scores normalised over E, see ``normalize_rows``, or the softmax)."""
     if router == "sigmoid":
         scores = jax.nn.sigmoid(logits)
-        return scores, scores / jnp.sum(scores, axis=-1, keepdims=True)
+        return scores, normalize_rows(scores)
     scores = jax.nn.softmax(logits, axis=-1)
     return scores, scores
 
@@ -113,7 +122,7 @@ def _token_choice(
     else:
         weights = jnp.take_along_axis(scores, ids, axis=-1)
         if cfg.normalize_weights:
-            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+            weights = normalize_rows(weights)
     return ids, weights * cfg.routed_scaling_factor, probs
 
 

@@ -61,9 +61,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from aristax import dispatch as dispatch_lib
 from aristax import routing as routing_lib
 from aristax.config import MoEConfig
-from aristax.experts import dense_mlp, expert_mlp
+from aristax.experts import expert_mlp
 from aristax.moe import (MoEParams, check_inputs, check_tokens, fused_experts, make_dispatch,
-                         route_tokens)
+                         route_tokens, with_shared_experts)
 from aristax.pallas_kernels import frontdoor
 from aristax.parallel import overlap
 from aristax.parallel.collectives import check_backend, default_backend, exchange
@@ -286,9 +286,7 @@ def _local_moe(x, router_in, params, bias, *, config, slot_of, axes, expert_axis
                                                          chunk_buffer, num_chunks, **trip)
         dispatch = types.SimpleNamespace(  # what global_aux reads
             num_routed=jnp.sum(physical.mask, dtype=jnp.int32), num_dropped=num_dropped)
-    if params.shared_up_df is not None:
-        y = y + dense_mlp(xc, params.shared_gate_df, params.shared_up_df,
-                          params.shared_down_fd, activation=config.activation)
+    y = with_shared_experts(y, xc, params, config)
     aux = global_aux(routing, dispatch, num_overflow, config, axes, num_shards, seq_len)
     return y.astype(dtype), aux
 

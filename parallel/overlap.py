@@ -56,9 +56,8 @@ import numpy as np
 from aristax import dispatch as dispatch_lib
 from aristax import routing as routing_lib
 from aristax.config import MoEConfig
-from aristax.experts import dense_mlp
 from aristax.moe import (MoEParams, check_inputs, make_dispatch, moe_aux, routed_experts,
-                         router_logits)
+                         router_logits, with_shared_experts)
 
 Bounds = tuple[tuple[int, int], ...]
 
@@ -210,7 +209,5 @@ def chunked_moe(
     xc = x.astype(dtype)
     y = jnp.concatenate([chunk_experts(xc[a:b], chunk_routing(routing, kept, a, b), params,
                                        config) for a, b in bounds], axis=0)
-    if params.shared_up_df is not None:
-        y = y + dense_mlp(xc, params.shared_gate_df, params.shared_up_df,
-                          params.shared_down_fd, activation=config.activation)
+    y = with_shared_experts(y, xc, params, config)
     return y.astype(dtype), moe_aux(routing, logits, num_dropped, config, seq_len)

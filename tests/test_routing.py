@@ -10,7 +10,7 @@ from flax import nnx
 
 import moe_reference as ref
 from aristax import MoE, MoEConfig, RouterConfig, route
-from aristax.moe import moe
+from aristax.moe import moe, router_logits
 from aristax.routing import (
     load_balancing_loss,
     router_z_loss,
@@ -217,14 +217,15 @@ def test_nonfinite_logits_are_reported_and_isolated():
         jax.block_until_ready(apply(make(cfg.replace(debug_checks=True)), x))
 
 
-@pytest.mark.parametrize("implementation", [None, "triton"])
-def test_nonfinite_tokens_leave_the_gradients_alone(implementation):
+@pytest.mark.parametrize("implementation,shared", [(None, 0), ("triton", 0), (None, 1)])
+def test_nonfinite_tokens_leave_the_gradients_alone(implementation, shared):
     """A NaN or inf token changes no parameter gradient: the gradients of a batch with
     two bad tokens equal those of the batch without them, through the outputs, the
     z-loss and the load-balancing loss (whose means over T scale by (T_good/T)^2).
-    "triton" is the fused route kernel (interpreted on the CPU) with its custom_vjp."""
+    "triton" is the fused route kernel (interpreted on the CPU) with its custom_vjp.
+    With a shared expert too (its dense MLP saw the bad rows and gave NaN)."""
     cfg = MoEConfig(num_experts=4, top_k=2, d_model=8, d_ff=8, normalize_weights=True,
-                    implementation=implementation)
+                    implementation=implementation, num_shared_experts=shared)
     params = make(cfg).params()
     T, bad = 9, [4, 6]
     good = np.setdiff1d(np.arange(T), bad)
@@ -236,11 +237,40 @@ def test_nonfinite_tokens_leave_the_gradients_alone(implementation):
         y, aux = moe(x, p, cfg)
         return jnp.sum(y * ct) + aux["z_loss"] + lb_scale * aux["lb_loss"]
 
+    y_bad = moe(x_bad, params, cfg)[0]
+    assert bool(jnp.all(y_bad[np.array(bad)] == 0))
     grads = jax.grad(loss)(params, x_bad, ct, 1.0)
     expected = jax.grad(loss)(params, x[good], ct[good], (len(good) / T) ** 2)
-    for name in ("router_de", "gate_edf", "up_edf", "down_efd"):
+    names = ("router_de", "gate_edf", "up_edf", "down_efd")
+    names += ("shared_gate_df", "shared_up_df", "shared_down_fd") if shared else ()
+    for name in names:
         np.testing.assert_allclose(getattr(grads, name), getattr(expected, name),
                                    rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("implementation", [None, "triton"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_sigmoid_router_with_underflowing_scores_stays_finite(implementation, normalize):
+    """float32 sigmoid(l) is 0 below l ~ -104 (-87 where denormals flush): a token whose
+    selected scores all underflow gets zero weights, where 0/0 gave NaN in y, in the
+    balancing loss and in every gradient. Token 3's logits are all about -240."""
+    cfg = MoEConfig(num_experts=4, top_k=2, d_model=8, d_ff=8, router="sigmoid",
+                    normalize_weights=normalize, implementation=implementation)
+    params = make(cfg).params()
+    router = -0.5 + 0.2 * jax.random.normal(jax.random.key(2), params.router_de.shape)
+    params = params.replace(router_de=router)
+    x = jax.random.normal(jax.random.key(3), (6, 8)).at[3].set(60.0)
+    assert float(router_logits(x, params.router_de)[3].max()) < -110
+
+    def loss(p, x):
+        y, aux = moe(x, p, cfg)
+        return jnp.sum(y) + aux["loss"], (y, aux)
+
+    grads, (y, aux) = jax.grad(loss, has_aux=True)(params, x)
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+    assert bool(jnp.all(y[3] == 0)) and np.isfinite(float(aux["lb_loss"]))
+    good = np.r_[0:3, 4:6]
+    np.testing.assert_allclose(y[good], moe(x[good], params, cfg)[0], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("field,kwargs", [

@@ -66,7 +66,9 @@ def _score_vjp(logits: jax.Array, ids: jax.Array, dweights: jax.Array,
     if normalize:
         g = jnp.take_along_axis(scores, ids, axis=-1)
         total = jnp.sum(g, axis=-1, keepdims=True)
-        dg = (dg - jnp.sum(dg * g, axis=-1, keepdims=True) / total) / total
+        ok = total >= jnp.finfo(total.dtype).tiny  # else the weights are 0 (normalize_rows)
+        total = jnp.where(ok, total, 1.0)
+        dg = jnp.where(ok, (dg - jnp.sum(dg * g, axis=-1, keepdims=True) / total) / total, 0.0)
     dg = jnp.where(finite[:, None], dg, 0.0)
     onehot = jax.nn.one_hot(ids, logits.shape[1], dtype=scores.dtype)  # [T, K, E]
     dscores = jnp.einsum("tk,tke->te", dg, onehot)

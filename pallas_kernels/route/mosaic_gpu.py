@@ -201,8 +201,10 @@ def _topk_body(x_gmem, w_gmem, bias_gmem, logits_gmem, ids_gmem, wts_gmem, rank_
                 picked.append(jnp.sum(jnp.where(hit, scores, 0.0), axis=1))
                 onehot = jnp.where(hit & routed, 1.0, onehot)
             wts = _by_slot(picked, kcols)
-            if normalize:
-                wts = wts / _per_row(jnp.sum(wts, axis=1), kp)
+            if normalize:  # as reference.normalize_rows: underflowed rows get 0
+                total = _per_row(jnp.sum(wts, axis=1), kp)
+                ok = total >= jnp.finfo(jnp.float32).tiny
+                wts = jnp.where(ok, wts / jnp.where(ok, total, 1.0), 0.0)
             wts = jnp.where(_per_row(num_bad, kp) == 0, wts, 0.0)
             before = _ranks_before(onehot, interpret)
             rank = _by_slot([jnp.sum(jnp.where(cols == _per_row(idx, ep), before, 0.0),

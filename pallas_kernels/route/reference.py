@@ -78,11 +78,20 @@ def select_experts(scores: jax.Array, bias: jax.Array | None, top_k: int) -> jax
 
 
 def gate_weights(scores: jax.Array, ids: jax.Array, normalize: bool) -> jax.Array:
-    """[T, K] = scores[t, ids[t, k]], divided by their sum over k when ``normalize``."""
+    """[T, K] = scores[t, ids[t, k]], divided by their sum over k when ``normalize``
+    (``normalize_rows``)."""
     weights = jnp.take_along_axis(scores, ids, axis=-1)
     if normalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        weights = normalize_rows(weights)
     return weights
+
+
+def normalize_rows(w: jax.Array) -> jax.Array:
+    """w / sum(w) over the last axis; a row summing below the smallest normal float
+    (underflowed sigmoid scores) becomes 0 instead of 0/0 = NaN."""
+    total = jnp.sum(w, axis=-1, keepdims=True)
+    ok = total >= jnp.finfo(w.dtype).tiny
+    return jnp.where(ok, w / jnp.where(ok, total, 1.0), 0.0)
 
 
 def expert_order(

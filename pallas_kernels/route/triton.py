@@ -129,8 +129,10 @@ def _slot_tiles(picks, scores, cols, kcols, normalize: bool):
         ids = jnp.where(in_k, idx[:, None], ids)
         wts = jnp.where(in_k, jnp.sum(jnp.where(hit, scores, 0.0), axis=1)[:, None], wts)
         onehot = onehot + jnp.where(hit, 1, 0)
-    if normalize:
-        wts = wts / jnp.sum(wts, axis=1, keepdims=True)
+    if normalize:  # as reference.normalize_rows: an underflowed row gets 0, not NaN
+        total = jnp.sum(wts, axis=1, keepdims=True)
+        ok = total >= jnp.finfo(wts.dtype).tiny
+        wts = jnp.where(ok, wts / jnp.where(ok, total, 1.0), 0.0)
     return ids, wts, onehot
 
 
