@@ -12,10 +12,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from fractions import Fraction
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid", "expert_choice")
 ACTIVATIONS = ("swiglu", "geglu", "gelu")
@@ -33,9 +35,26 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_number(value: Any) -> bool:
+    """An int or float that is not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _is_finite_positive(value: Any) -> bool:
     """A finite number > 0."""
-    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+    return _is_number(value) and math.isfinite(value) and value > 0
+
+
+def _plain_scalars(cfg: Any, owner: str, bool_fields: Sequence[str]) -> None:
+    """NumPy scalars as Python ones (np.int64(8) -> 8, so the config compares and hashes
+    as with 8), and the ``bool_fields`` checked to be bools ("false" is truthy)."""
+    for field in dataclasses.fields(cfg):
+        value = getattr(cfg, field.name)
+        if isinstance(value, (np.bool_, np.integer, np.floating)):
+            object.__setattr__(cfg, field.name, value.item())
+    for name in bool_fields:
+        if not isinstance(getattr(cfg, name), bool):
+            _fail(name, getattr(cfg, name), "must be True or False", owner)
 
 
 def _check_routing(cfg: Any, owner: str) -> None:
@@ -111,6 +130,7 @@ class RouterConfig:
     expert_capacity_factor: float = 1.0
 
     def __post_init__(self):
+        _plain_scalars(self, "RouterConfig", ("normalize_weights",))
         _check_routing(self, "RouterConfig")
         factor = self.expert_capacity_factor
         if not _is_finite_positive(factor):
@@ -149,8 +169,8 @@ class MoEConfig:
         assignments per expert; the rest are dropped, counted and reported.
       drop_policy: which assignments keep their slot when an expert overflows:
         "position" (top-1 choices of all tokens first, then top-2, ..., in token order;
-        GShard) or "probability" (highest routing weight first; V-MoE's batch
-        prioritized routing).
+        GShard) or "probability" (the same rounds with tokens ordered by their highest
+        routing weight; V-MoE's batch prioritized routing).
       num_shared_experts: dense experts applied to every token (DeepSeek), fused into
         one MLP of width ``num_shared_experts * (shared_d_ff or d_ff)``.
       shared_d_ff: width of one shared expert (default ``d_ff``).
@@ -203,6 +223,7 @@ class MoEConfig:
     exchange_backend: str | None = None
 
     def __post_init__(self):
+        _plain_scalars(self, "MoEConfig", ("normalize_weights", "debug_checks"))
         for name in ("d_model", "d_ff"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
@@ -218,7 +239,7 @@ class MoEConfig:
         for name in ("bias_update_rate", "router_jitter", "lb_loss_coef",
                      "seq_aux_loss_coef", "z_loss_coef"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value < 0 or not math.isfinite(value):
+            if not _is_number(value) or value < 0 or not math.isfinite(value):
                 _fail(name, value, "must be a finite number >= 0")
         if self.router_jitter >= 1:
             _fail("router_jitter", self.router_jitter, "must be in [0, 1)")
@@ -280,5 +301,8 @@ def accumulation_dtype(*dtypes) -> jnp.dtype:
 
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, factor: float) -> int:
-    """C = ceil(factor * T * K / E) (GShard), at least 1."""
-    return max(1, math.ceil(factor * num_tokens * top_k / num_experts))
+    """C = ceil(factor * T * K / E) (GShard), at least 1, with the factor taken as the
+    decimal it is written as: in floats 1.1 * 100 / 2 is 55.00000000000001, whose
+    ceiling would give one slot too many."""
+    exact = Fraction(repr(float(factor))) * num_tokens * top_k / num_experts
+    return max(1, math.ceil(exact))

@@ -80,8 +80,11 @@ def _priority_order(routing: Routing, policy: str) -> jax.Array:
     T, K = routing.expert_ids.shape
     if policy == "position":  # all top-1 choices in token order, then top-2, ...
         return jnp.arange(T * K, dtype=jnp.int32).reshape(T, K).T.reshape(-1)
-    if policy == "probability":  # highest routing weight first, ties in slot order
-        return jnp.argsort(-routing.weights.reshape(-1), stable=True).astype(jnp.int32)
+    if policy == "probability":  # V-MoE batch prioritized routing: top-1 choices of
+        # all tokens by their highest routing weight (ties in token order), then top-2, ...
+        by_weight = jnp.argsort(-jnp.max(routing.weights, axis=1), stable=True)
+        return (by_weight[None, :].astype(jnp.int32) * K
+                + jnp.arange(K, dtype=jnp.int32)[:, None]).reshape(-1)
     raise ValueError(f"drop_policy={policy!r} is invalid: choose one of {DROP_POLICIES}")
 
 

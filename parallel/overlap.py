@@ -27,9 +27,9 @@ unchunked layer's keep/drop decisions and any chunk may send 0..C rows to an exp
        where total[r, e] counts rank-r assignments to e over the whole batch and
        carry_i[r, e] those in chunks < i; it is kept when place < C. Each chunk
        computes its own decisions from the carry (``carried_keep_position``).
-     * "probability" (highest weight first over the whole batch): a chunk's
+     * "probability" (tokens by their top weight over the whole batch): a chunk's
        decision depends on every other chunk's weights, so the decisions come
-       from one global ``capacity_dispatch`` (a sort of T*K weights).
+       from one global ``capacity_dispatch`` (a sort of T weights).
      * expert choice: the router itself picks, globally; its picks are the kept set.
    ``capacity_carry`` reports, per chunk, how many slots each expert already used
    (the quantity Lancet's gating operators pass along).

@@ -9,6 +9,7 @@ constant, so its gradient is zero almost everywhere).
 from __future__ import annotations
 
 import math
+from decimal import Decimal
 
 import jax
 import jax.numpy as jnp
@@ -81,13 +82,13 @@ def plan(x, router_de, cfg, bias=None):
         pairs = [(t, e) for t in range(T) for e in ids[t]]
         return dict(kept=pairs, routed=routed, dropped=0, load=load, ids=ids)
 
-    C = max(1, math.ceil(cfg.capacity_factor * T * K / E))
+    C = max(1, math.ceil(Decimal(str(cfg.capacity_factor)) * T * K / E))  # decimal, exact
     slots = [(t, k) for t in range(T) for k in range(len(ids[t]))]
     if cfg.drop_policy == "position":
         slots.sort(key=lambda s: (s[1], s[0]))
-    else:
+    else:  # V-MoE batch prioritized routing: rank k over tokens by their top weight
         w = weights_np(logits, ids, cfg)
-        slots.sort(key=lambda s: (-w[s[0]][s[1]], s[0] * K + s[1]))
+        slots.sort(key=lambda s: (s[1], -max(w[s[0]]), s[0]))
     used = np.zeros(E, int)
     kept = []
     for t, k in slots:

@@ -285,6 +285,9 @@ def test_sigmoid_router_with_underflowing_scores_stays_finite(implementation, no
     ("capacity_factor", dict(capacity_factor=-1.0)),
     ("drop_policy", dict(drop_policy="random")),
     ("dtype", dict(dtype="float17")),
+    ("normalize_weights", dict(normalize_weights="false")),  # a truthy string
+    ("debug_checks", dict(debug_checks="no")),
+    ("capacity_factor", dict(capacity_factor=True)),
     ("param_dtype", dict(param_dtype="int8")),  # parameters must be floating
     ("param_dtype", dict(param_dtype="float64")),  # without 64-bit mode JAX makes float32
     ("num_chunks", dict(num_chunks=0)),
@@ -310,10 +313,23 @@ def test_bad_config_names_the_field(field, kwargs):
     ("num_groups", dict(num_groups=3)),
     ("routed_scaling_factor", dict(routed_scaling_factor=0.0)),
     ("expert_capacity_factor", dict(expert_capacity_factor=-2.0)),
+    ("normalize_weights", dict(normalize_weights="yes")),
 ])
 def test_bad_router_config_names_the_field(field, kwargs):
     with pytest.raises(ValueError, match=rf"RouterConfig\.{field}="):
         RouterConfig(**{**dict(num_experts=4, top_k=2), **kwargs})
+
+
+def test_configs_take_numpy_scalars_as_python_numbers():
+    """np.int64 counts (from a NumPy sweep, say) were refused as "not a positive integer";
+    now they equal (and hash as) the Python numbers."""
+    plain = MoEConfig(num_experts=4, top_k=2, d_model=8, d_ff=8, lb_loss_coef=0.5,
+                      normalize_weights=True)
+    from_numpy = MoEConfig(num_experts=np.int64(4), top_k=np.int32(2), d_model=8, d_ff=8,
+                           lb_loss_coef=np.float32(0.5), normalize_weights=np.bool_(True))
+    assert from_numpy == plain and hash(from_numpy) == hash(plain)
+    assert type(from_numpy.num_experts) is int and type(from_numpy.normalize_weights) is bool
+    assert RouterConfig(num_experts=np.int64(4), top_k=np.int64(1)).num_experts == 4
 
 
 def test_route_rejects_logits_of_another_expert_count():
