@@ -84,6 +84,19 @@ def test_capacity_drops_counted_exactly(policy, factor):
         assert pl["dropped"] > 0  # the case really exercises drops
 
 
+def test_vmap_over_tokens_says_how_to_batch_instead():
+    """jax.lax.ragged_dot cannot be vmapped with shared weights (jax 0.10 and 0.11); the
+    error says what to do, and the layer on the flattened batch is what vmap would be."""
+    cfg = MoEConfig(num_experts=4, top_k=2, d_model=8, d_ff=8)
+    params = make(cfg).params()
+    x = jax.random.normal(jax.random.key(0), (3, 5, 8))
+    with pytest.raises(NotImplementedError, match=r"vmap.*all tokens at once.*lax\.map"):
+        jax.vmap(lambda xb: moe(xb, params, cfg)[0])(x)
+    looped = jax.lax.map(lambda xb: moe(xb, params, cfg)[0], x)
+    flat = moe(x.reshape(15, 8), params, cfg)[0].reshape(3, 5, 8)
+    np.testing.assert_allclose(looped, flat, rtol=1e-6, atol=1e-6)
+
+
 def test_capacity_is_the_exact_ceiling_of_the_decimal_factor():
     """C = ceil(tenths/10 * T * K / E) in integers; the float product (1.1 * 100 / 2 =
     55.00000000000001) gave one slot too many in 1,677 of 387,072 cases."""

@@ -42,7 +42,7 @@ def ragged_dot(
     also in its transpose), so the op runs with those axes made Auto
     (``jax.sharding.auto_axes``); the result keeps lhs's row sharding.
     """
-    op = functools.partial(jax.lax.ragged_dot, preferred_element_type=preferred_element_type)
+    op = functools.partial(_lax_ragged_dot, preferred_element_type=preferred_element_type)
     mesh = _explicit_mesh(lhs, rhs, group_sizes)
     if mesh is None:
         return op(lhs, rhs, group_sizes)
@@ -53,6 +53,22 @@ def ragged_dot(
     with jax.sharding.use_abstract_mesh(mesh):
         return jax.sharding.auto_axes(op, axes=explicit, out_sharding=P(row, None))(
             lhs, rhs, group_sizes)
+
+
+def _lax_ragged_dot(lhs, rhs, group_sizes, preferred_element_type):
+    """``jax.lax.ragged_dot``, whose NotImplementedError under ``jax.vmap`` names the
+    way around it (the weights are shared, so ``vmap`` batches lhs and not rhs)."""
+    try:
+        return jax.lax.ragged_dot(lhs, rhs, group_sizes,
+                                  preferred_element_type=preferred_element_type)
+    except NotImplementedError as err:
+        if "vmap" not in str(err):
+            raise
+        raise NotImplementedError(
+            "aristax's grouped GEMM cannot be jax.vmap-ed over tokens with shared expert "
+            "weights (jax.lax.ragged_dot has no batching rule for that): give the MoE "
+            "layer all tokens at once (x [..., D] is flattened, e.g. [batch, seq, D]), or "
+            f"loop with jax.lax.map ({err})") from None
 
 
 def _explicit_mesh(*arrays):
