@@ -34,6 +34,8 @@ from aristax.config import RouterConfig, check_float_dtype
 from aristax.models import sparse_moe
 
 _FIELDS_HF_ONLY = ("dtype",)
+# transformers' MixtralConfig.attribute_map: config.json keys read as another field
+_HF_ALIASES = {"num_experts": "num_local_experts"}
 
 
 def _bad(field: str, value: Any, fix: str) -> ValueError:
@@ -128,6 +130,7 @@ class MixtralConfig:
                 "only plain rotary embeddings ('default') are supported"
             )
         theta = rope.get("rope_theta", hf.get("rope_theta", cls.rope_theta))
+        hf = {_HF_ALIASES.get(key, key): value for key, value in hf.items()}
         kwargs = {f.name: hf[f.name] for f in dataclasses.fields(cls)
                   if f.name in hf and f.name not in _FIELDS_HF_ONLY}
         kwargs["rope_theta"] = float(theta)

@@ -138,6 +138,13 @@ def test_config_round_trips_through_transformers():
     assert MixtralConfig.from_hf(hf.to_dict()) == cfg
 
 
+def test_config_reads_hf_attribute_aliases():
+    """transformers reads config.json's "num_experts" as num_local_experts."""
+    assert transformers.MixtralConfig(num_experts=3).num_local_experts == 3
+    assert MixtralConfig.from_hf({"num_experts": 3, "num_experts_per_tok": 2}
+                                 ).num_local_experts == 3
+
+
 def test_config_reads_legacy_rope_theta():
     cfg = MixtralConfig.from_hf({"model_type": "mixtral", "rope_theta": 1234.0,
                                  "hidden_size": 32, "num_attention_heads": 4,
