@@ -121,6 +121,8 @@ def check(x: jax.Array, weights: jax.Array, up_edf: jax.Array, *,
     (T, D), K, F = x.shape, weights.shape[1], up_edf.shape[2]
     mg.raise_if(
         "mosaic_gpu",
+        None if min(T, D, F, up_edf.shape[0]) >= 1 else
+        f"empty operand (T={T}, D={D}, F={F}, E={up_edf.shape[0]})",
         None if K <= MAX_TOP_K else f"top_k={K} > {MAX_TOP_K}",
         None if jnp.dtype(x.dtype) in mg.INPUT_DTYPES else
         f"x dtype {x.dtype} (bfloat16/float16: float32 would run as TF32 on wgmma)",

@@ -79,7 +79,8 @@ def combine(
     pos = inverse_order(sort_order).reshape(T, K)
     kept = pos < valid_count(num_valid, T * K)
     w = jnp.where(kept, weights.astype(acc), 0.0)
-    gathered = jnp.where(kept[..., None], jnp.take(rows, pos, axis=0).astype(acc), 0.0)
+    gathered = rows[pos.reshape(-1)].reshape(T, K, rows.shape[1])  # T = 0 keeps its shape
+    gathered = jnp.where(kept[..., None], gathered.astype(acc), 0.0)
     return jnp.einsum("tk,tkd->td", w, gathered, precision=jax.lax.Precision.HIGHEST)
 
 

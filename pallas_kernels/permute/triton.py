@@ -139,6 +139,8 @@ def _check_supported(*arrays: jax.Array, top_k: int) -> None:
     for arr in arrays:
         if arr.dtype not in DTYPES:
             raise NotImplementedError(f"dtype {arr.dtype} (Triton permute: f32/bf16/f16)")
+        if 0 in arr.shape:
+            raise NotImplementedError(f"empty operand of shape {arr.shape}")
     if top_k > MAX_TOP_K:
         raise NotImplementedError(f"top_k={top_k} > {MAX_TOP_K}")
 

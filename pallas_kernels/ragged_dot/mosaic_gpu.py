@@ -549,10 +549,13 @@ def _tgmm_tile(lhs_gmem, dout_gmem, ki, ni, group_info, tiles, interpret):
         def _():
             plgpu.emit_pipeline(
                 lambda idx, a, b: step(idx, a, b, acc_ref, scratch),
-                grid=(blocks,),
-                in_specs=[
-                    plgpu.BlockSpec((bm, bk), lambda r: (first + r, ki), delay_release=delay),
-                    plgpu.BlockSpec((bm, bn), lambda r: (first + r, ni), delay_release=delay),
+                # emit_pipeline takes min(Python int, steps): the default int dtype
+                grid=(blocks.astype(jax.dtypes.canonicalize_dtype(jnp.int64)),),
+                in_specs=[  # int32 block indices, also under jax_enable_x64
+                    plgpu.BlockSpec((bm, bk), lambda r: (first + r.astype(jnp.int32), ki),
+                                    delay_release=delay),
+                    plgpu.BlockSpec((bm, bn), lambda r: (first + r.astype(jnp.int32), ni),
+                                    delay_release=delay),
                 ],
                 max_concurrent_steps=steps,
             )(lhs_gmem, dout_gmem)

@@ -37,6 +37,10 @@ def ragged_dot(
     Returns:
       [M, N] in ``preferred_element_type`` (default: the result type of lhs, rhs).
 
+    XLA:CPU computes every row against every group's weights and masks the result,
+    so an inf or NaN in one group's weights (also an empty group's) turns every row
+    NaN (0 * inf), where the Pallas kernels read only each row's own group.
+
     Inputs typed on a mesh with Explicit axes (e.g. made under ``jax.set_mesh``):
     jax 0.10 has no sharding rule for ``ragged_dot_general`` (NotImplementedError,
     also in its transpose), so the op runs with those axes made Auto

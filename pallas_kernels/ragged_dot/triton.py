@@ -213,7 +213,7 @@ def _load(ref, mask):
 def _tail_mask(start, size: int, bound: int):
     """[size] mask start + i < bound, or None when ``bound`` is a multiple of size
     (start is then a multiple of size and no tile overruns)."""
-    return None if bound % size == 0 else start + jnp.arange(size) < bound
+    return None if bound % size == 0 else start + jnp.arange(size, dtype=jnp.int32) < bound
 
 
 def _precision(dtype):
@@ -232,7 +232,7 @@ def _gmm_kernel(sched_ref, lhs_ref, rhs_ref, out_ref, *, tiles: KernelTiles, dim
     group = sched_ref[GROUP, slot]
     row_lo, row_hi = sched_ref[ROW_LO, slot], sched_ref[ROW_HI, slot]
     row0, col0 = sched_ref[TILE, slot] * bm, n_tile * bn
-    rows = row0 + jnp.arange(bm)
+    rows = row0 + jnp.arange(bm, dtype=jnp.int32)
     in_group = (rows >= row_lo) & (rows < row_hi)
     col_ok = _tail_mask(col0, bn, n)
 
@@ -295,14 +295,14 @@ def _tgmm_kernel(offsets_ref, lhs_ref, dout_ref, out_ref, *, tiles: KernelTiles,
 
     def body(step, acc):
         row0 = row_lo + step * bm
-        row_ok = row0 + jnp.arange(bm) < row_hi
+        row_ok = row0 + jnp.arange(bm, dtype=jnp.int32) < row_hi
         a = _load(lhs_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)],
                   _mask2d(row_ok, k_ok))
         b = _load(dout_ref.at[pl.ds(row0, bm), pl.ds(n0, bn)],
                   _mask2d(row_ok, n_ok))
         return acc + plgpu.dot(a, b, trans_a=True, precision=_precision(a.dtype))
 
-    steps = lax.div(row_hi - row_lo + bm - 1, bm)
+    steps = (row_hi - row_lo + bm - 1) // bm  # int32 also under jax_enable_x64
     acc = lax.fori_loop(0, steps, body, jnp.zeros((bk, bn), jnp.float32))
     plgpu.store(out_ref.at[group, pl.ds(k0, bk), pl.ds(n0, bn)], acc.astype(out_ref.dtype),
                 mask=_mask2d(k_ok, n_ok))

@@ -115,15 +115,18 @@ def _scores(logits: jax.Array, real: jax.Array, score: str) -> jax.Array:
 def _top_k(select: jax.Array, cols: jax.Array, top_k: int) -> list[jax.Array]:
     """K arrays int32[BT]: the k-th best column, lowest index among equal values.
 
-    Round k takes the row max, the smallest column holding it, then masks that column
-    with -inf (so K distinct experts; ties resolve as in ``jax.lax.top_k``).
+    Round k takes the row max over the columns not taken yet and the smallest such
+    column holding it (so K distinct experts, also among -inf scores, e.g. a -inf
+    bias; ties resolve as in ``jax.lax.top_k``).
     """
     picks, ep = [], select.shape[1]
+    taken = jnp.zeros(select.shape, jnp.float32)
     for _ in range(top_k):
-        best = _per_row(jnp.max(select, axis=1), ep)
-        idx = jnp.min(jnp.where(select == best, cols, ep), axis=1)
+        free = taken == 0.0
+        best = _per_row(jnp.max(jnp.where(free, select, -jnp.inf), axis=1), ep)
+        idx = jnp.min(jnp.where(free & (select == best), cols, ep), axis=1)
         picks.append(idx)
-        select = jnp.where(cols == _per_row(idx, ep), -jnp.inf, select)
+        taken = jnp.where(cols == _per_row(idx, ep), 1.0, taken)
     return picks
 
 
@@ -261,7 +264,7 @@ def route(
         x, w_padded, bias_padded)
     logits, ids = logits[:, :E], ids[:, :top_k]
     counts, base = block_bases(hist.reshape(nb, ep), E)
-    nf_rows = nonfinite_rows(logits, jnp.sum(counts), top_k)[:, None]
+    nf_rows = nonfinite_rows(logits, jnp.sum(counts, dtype=jnp.int32), top_k)[:, None]
     block = (jnp.arange(T, dtype=i32) // BLOCK_T)[:, None]
     pos = jnp.where(nf_rows >= 0, nf_rows + jnp.arange(top_k, dtype=i32),
                     base[block, ids] + rank[:, :top_k])

@@ -104,16 +104,18 @@ def _scores_tile(safe: jax.Array, cmask: jax.Array, score: str) -> jax.Array:
 def _top_k_tile(select: jax.Array, cols: jax.Array, top_k: int) -> list[jax.Array]:
     """K arrays int32[BT]: the k-th best column, lowest index among equal values.
 
-    Round k takes the row max, the smallest column holding it, then masks that column
-    with -inf (so K distinct experts; ties resolve as in ``jax.lax.top_k``).
+    Round k takes the row max over the columns not taken yet and the smallest such
+    column holding it (so K distinct experts, also among -inf scores, e.g. a -inf
+    bias; ties resolve as in ``jax.lax.top_k``).
     """
     picks = []
     ep = cols.shape[0]
+    taken = jnp.zeros(select.shape, jnp.bool_)
     for _ in range(top_k):
-        best = jnp.max(select, axis=1, keepdims=True)
-        idx = jnp.min(jnp.where(select == best, cols[None, :], ep), axis=1)
+        best = jnp.max(jnp.where(taken, -jnp.inf, select), axis=1, keepdims=True)
+        idx = jnp.min(jnp.where(~taken & (select == best), cols[None, :], ep), axis=1)
         picks.append(idx)
-        select = jnp.where(cols[None, :] == idx[:, None], -jnp.inf, select)
+        taken = taken | (cols[None, :] == idx[:, None])
     return picks
 
 
@@ -146,7 +148,8 @@ def _block_ranks(onehot, picks, cols, kcols) -> jax.Array:
     before = jnp.cumsum(onehot, axis=0) - onehot
     rank = jnp.zeros((onehot.shape[0], kcols.shape[0]), jnp.int32)
     for k, idx in enumerate(picks):
-        r = jnp.sum(jnp.where(cols[None, :] == idx[:, None], before, 0), axis=1)
+        r = jnp.sum(jnp.where(cols[None, :] == idx[:, None], before, 0), axis=1,
+                    dtype=jnp.int32)  # int32 also under jax_enable_x64
         rank = jnp.where(kcols[None, :] == k, r[:, None], rank)
     return rank
 
@@ -183,7 +186,7 @@ def _router_kernel(x_ref, w_ref, b_ref, logits_ref, ids_ref, wts_ref, rank_ref, 
     plgpu.store(ids_ref.at[kidx], ids, mask=kmask)
     plgpu.store(wts_ref.at[kidx], wts, mask=kmask)
     plgpu.store(rank_ref.at[kidx], rank, mask=kmask)
-    plgpu.store(hist_ref.at[b, cols], jnp.sum(onehot, axis=0))
+    plgpu.store(hist_ref.at[b, cols], jnp.sum(onehot, axis=0, dtype=jnp.int32))
 
 
 def _order_kernel(ids_ref, rank_ref, base_ref, nf_ref, order_ref, *, tiles: RouteTiles):
@@ -200,7 +203,8 @@ def _order_kernel(ids_ref, rank_ref, base_ref, nf_ref, order_ref, *, tiles: Rout
         kk = jnp.full_like(rows, k)
         idx = plgpu.load(ids_ref.at[safe_rows, kk], mask=rmask, other=0)
         rank = plgpu.load(rank_ref.at[safe_rows, kk], mask=rmask, other=0)
-        pos = jnp.sum(jnp.where(cols[None, :] == idx[:, None], base[None, :], 0), axis=1) + rank
+        pos = jnp.sum(jnp.where(cols[None, :] == idx[:, None], base[None, :], 0), axis=1,
+                      dtype=jnp.int32) + rank
         pos = jnp.where(nf_start >= 0, nf_start + k, pos)
         plgpu.store(order_ref.at[jnp.where(rmask, pos, T * K)], rows * K + k, mask=rmask)
 
@@ -211,9 +215,9 @@ def block_bases(hist: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array
     base[b, e] = sum_{e' < e} counts[e'] + sum_{b' < b} hist[b', e] (exclusive
     prefix sums over experts, then over blocks).
     """
-    counts = jnp.sum(hist, axis=0)
-    starts = jnp.cumsum(counts) - counts
-    base = starts[None, :] + jnp.cumsum(hist, axis=0) - hist
+    counts = jnp.sum(hist, axis=0, dtype=jnp.int32)  # int32 also under jax_enable_x64
+    starts = jnp.cumsum(counts, dtype=jnp.int32) - counts
+    base = starts[None, :] + jnp.cumsum(hist, axis=0, dtype=jnp.int32) - hist
     return counts[:num_experts], base
 
 
@@ -221,7 +225,7 @@ def nonfinite_rows(logits: jax.Array, num_routed: jax.Array, top_k: int) -> jax.
     """int32[T]: first row of each non-finite token's K slots (after all routed rows),
     -1 for finite tokens."""
     nonfinite = ~jnp.all(jnp.isfinite(logits), axis=-1)
-    before = jnp.cumsum(nonfinite.astype(jnp.int32)) - nonfinite.astype(jnp.int32)
+    before = jnp.cumsum(nonfinite, dtype=jnp.int32) - nonfinite.astype(jnp.int32)
     return jnp.where(nonfinite, num_routed + top_k * before, -1).astype(jnp.int32)
 
 
@@ -230,6 +234,8 @@ def _check_supported(x: jax.Array, w_router: jax.Array, top_k: int) -> None:
     for name, arr in (("x", x), ("w_router", w_router)):
         if arr.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
             raise NotImplementedError(f"{name} dtype {arr.dtype} (Triton router: f32/bf16/f16)")
+        if 0 in arr.shape:
+            raise NotImplementedError(f"{name} is empty (shape {arr.shape})")
     if padded_experts(w_router.shape[1]) > MAX_EXPERTS:
         raise NotImplementedError(f"E={w_router.shape[1]} > {MAX_EXPERTS} experts")
     if top_k > MAX_TOP_K:
@@ -292,6 +298,6 @@ def route(
         x, w_router, bias, top_k=top_k, score=score, normalize=normalize,
         interpret=interpret, tiles=tiles)
     counts, base = block_bases(hist, E)
-    nf_rows = nonfinite_rows(logits, jnp.sum(counts), top_k)
+    nf_rows = nonfinite_rows(logits, jnp.sum(counts, dtype=jnp.int32), top_k)
     sort_order = _order_call(ids, rank, base, nf_rows, interpret=interpret, tiles=tiles)
     return RouteOutput(logits, ids, weights, counts, sort_order)
