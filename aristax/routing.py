@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from aristax.config import RouterConfig, accumulation_dtype, expert_capacity
+# the route kernel's: rows of underflowed sigmoid scores stay 0, not 0/0
+from aristax.pallas_kernels.route.reference import normalize_rows
 
 
 @flax.struct.dataclass
@@ -84,15 +86,6 @@ def _limit_to_top_groups(select: jax.Array, num_groups: int, topk_groups: int) -
 def finite_rows(logits: jax.Array) -> jax.Array:
     """bool[T]: every logit of the token is finite (the others are routed nowhere)."""
     return jnp.all(jnp.isfinite(logits), axis=-1)
-
-
-def normalize_rows(w: jax.Array) -> jax.Array:
-    """w / sum(w) over the last axis. A row summing below the smallest normal float
-    (sigmoid scores of logits under about -87 underflow to 0) becomes 0, not 0/0 = NaN,
-    and passes no gradient."""
-    total = jnp.sum(w, axis=-1, keepdims=True)
-    ok = total >= jnp.finfo(w.dtype).tiny
-    return jnp.where(ok, w / jnp.where(ok, total, 1.0), 0.0)
 
 
 def token_scores(logits: jax.Array, router: str) -> tuple[jax.Array, jax.Array]:

@@ -130,7 +130,7 @@ def _check_left_padded(mask: np.ndarray, inferred_from_pad: int | None) -> None:
         raise ValueError(f"{name}: every prompt needs at least one real token")
 
 
-def pad_marks_padding(ids: np.ndarray, pad: int | None, eos: tuple[int, ...]) -> bool:
+def _pad_marks_padding(ids: np.ndarray, pad: int | None, eos: tuple[int, ...]) -> bool:
     """Hugging Face's rule for prompts without an attention mask: the pad id marks
     padding when there is one, the prompts hold it and it is not an EOS id."""
     return pad is not None and bool(np.any(ids == pad)) and pad not in eos
@@ -180,7 +180,7 @@ def generate_with_stats(
     inferred_from = None
     if attention_mask is not None:
         mask = np.asarray(attention_mask) != 0
-    elif pad_marks_padding(ids, pad, eos):
+    elif _pad_marks_padding(ids, pad, eos):
         mask, inferred_from = ids != pad, pad
     else:
         mask = np.ones((B, S), bool)

@@ -87,8 +87,9 @@ def gate_weights(scores: jax.Array, ids: jax.Array, normalize: bool) -> jax.Arra
 
 
 def normalize_rows(w: jax.Array) -> jax.Array:
-    """w / sum(w) over the last axis; a row summing below the smallest normal float
-    (underflowed sigmoid scores) becomes 0 instead of 0/0 = NaN."""
+    """w / sum(w) over the last axis. A row summing below the smallest normal float
+    (sigmoid scores of logits under about -87 underflow to 0) becomes 0, not 0/0 = NaN,
+    and passes no gradient."""
     total = jnp.sum(w, axis=-1, keepdims=True)
     ok = total >= jnp.finfo(w.dtype).tiny
     return jnp.where(ok, w / jnp.where(ok, total, 1.0), 0.0)
