@@ -243,9 +243,16 @@ class MoEConfig:
                 _fail(name, value, "must be a finite number >= 0")
         if self.router_jitter >= 1:
             _fail("router_jitter", self.router_jitter, "must be in [0, 1)")
-        if self.bias_update_rate > 0 and self.router == "expert_choice":
-            _fail("bias_update_rate", self.bias_update_rate,
-                  "aux-loss-free balancing needs a token-choice router; use 0")
+        if self.router == "expert_choice":  # token-choice settings it would ignore
+            if self.bias_update_rate > 0:
+                _fail("bias_update_rate", self.bias_update_rate,
+                      "aux-loss-free balancing needs a token-choice router; use 0")
+            if self.seq_aux_loss_coef > 0:
+                _fail("seq_aux_loss_coef", self.seq_aux_loss_coef, "the sequence-wise "
+                      "balance loss (DeepSeek-V3) needs a token-choice router; use 0")
+            if self.drop_policy != "position":
+                _fail("drop_policy", self.drop_policy, "expert choice picks its tokens "
+                      "itself and drops none; leave the default 'position'")
         if not _is_int(self.num_shared_experts) or self.num_shared_experts < 0:
             _fail("num_shared_experts", self.num_shared_experts, "must be an integer >= 0")
         if self.shared_d_ff is not None and (

@@ -14,12 +14,18 @@ kernel.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 
 Implementation = str | Sequence[str] | None
+
+
+def is_count(value: Any) -> bool:
+    """An integer (Python or NumPy) that is not a bool: ``True`` is no top_k."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def candidates(

@@ -285,6 +285,8 @@ def test_sigmoid_router_with_underflowing_scores_stays_finite(implementation, no
     ("capacity_factor", dict(capacity_factor=-1.0)),
     ("drop_policy", dict(drop_policy="random")),
     ("dtype", dict(dtype="float17")),
+    ("seq_aux_loss_coef", dict(router="expert_choice", seq_aux_loss_coef=0.1)),
+    ("drop_policy", dict(router="expert_choice", drop_policy="probability")),
     ("normalize_weights", dict(normalize_weights="false")),  # a truthy string
     ("debug_checks", dict(debug_checks="no")),
     ("capacity_factor", dict(capacity_factor=True)),

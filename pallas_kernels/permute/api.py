@@ -34,15 +34,17 @@ def _check_order(op: str, sort_order, num_rows: int, num_valid) -> None:
         raise ValueError(
             f"{op}: sort_order must be an integer array of shape [T*K] = [{num_rows}]; got "
             f"{sort_order.dtype}{list(sort_order.shape)}")
-    if num_valid is not None and jnp.shape(num_valid) not in ((), (1,)):
-        raise ValueError(f"{op}: num_valid must be a scalar (or None); got shape "
-                         f"{jnp.shape(num_valid)}")
+    if num_valid is not None and (jnp.shape(num_valid) not in ((), (1,))
+                                  or not jnp.issubdtype(jnp.result_type(num_valid),
+                                                        jnp.integer)):
+        raise ValueError(f"{op}: num_valid must be an integer scalar (or None); got "
+                         f"{jnp.result_type(num_valid)}{list(jnp.shape(num_valid))}")
 
 
 def _validate_permute(x, sort_order, top_k, num_valid) -> None:
     if x.ndim != 2:
         raise ValueError(f"permute: x must be [T, D]; got shape {tuple(x.shape)}")
-    if not isinstance(top_k, int) or top_k < 1:
+    if not frontdoor.is_count(top_k) or top_k < 1:
         raise ValueError(f"permute: top_k must be a positive int; got {top_k!r}")
     _check_order("permute", sort_order, x.shape[0] * top_k, num_valid)
 
@@ -129,7 +131,7 @@ def permute(
     _validate_permute(x, sort_order, top_k, num_valid)
     names = frontdoor.candidates("permute", PERMUTE, DEFAULT_ORDER, implementation)
     nv = reference.valid_count(num_valid, sort_order.shape[0])
-    return _permute(*vary_alike(x, sort_order.astype(jnp.int32), nv), top_k, names,
+    return _permute(*vary_alike(x, sort_order.astype(jnp.int32), nv), int(top_k), names,
                     frontdoor.resolve_interpret(interpret))
 
 

@@ -46,7 +46,7 @@ def _validate(x, w_router, bias, top_k: int, score: str) -> None:
     for name, arr in (("x", x), ("w_router", w_router), ("bias", bias)):
         if arr is not None and not jnp.issubdtype(arr.dtype, jnp.floating):
             raise ValueError(f"route: {name} must be floating point; got {arr.dtype}")
-    if not isinstance(top_k, int) or not 1 <= top_k <= E:
+    if not frontdoor.is_count(top_k) or not 1 <= top_k <= E:
         raise ValueError(f"route: top_k must be an int in [1, E={E}]; got {top_k!r}")
     if score not in SCORES:
         raise ValueError(f"route: score must be one of {SCORES}; got {score!r}")
@@ -146,5 +146,5 @@ def route(
     """
     _validate(x, w_router, bias, top_k, score)
     names = frontdoor.candidates("route", BACKENDS, DEFAULT_ORDER, implementation)
-    return _route(*vary_alike(x, w_router, bias), top_k, score, bool(normalize), names,
+    return _route(*vary_alike(x, w_router, bias), int(top_k), score, bool(normalize), names,
                   frontdoor.resolve_interpret(interpret))

@@ -127,3 +127,18 @@ def test_mosaic_moe_mlp_declines_zero_tokens():
     with pytest.raises(NotImplementedError, match="empty operand"):
         call("mosaic_gpu")
     assert call(["mosaic_gpu", "reference"]).shape == (0, D)
+
+
+def test_counts_are_integers_not_bools():
+    """NumPy integers serve as top_k (they were refused); True and a float num_valid
+    (silently truncated) are refused."""
+    x, w = jnp.ones((3, 4)), jnp.ones((4, 4))
+    order = jnp.arange(6, dtype=jnp.int32)
+    assert route(x, w, top_k=np.int64(2)).expert_ids.shape == (3, 2)
+    assert permute(x, order, top_k=np.int32(2)).shape == (6, 4)
+    with pytest.raises(ValueError, match="route: top_k must be an int"):
+        route(x, w, top_k=True)
+    with pytest.raises(ValueError, match="permute: top_k must be a positive int"):
+        permute(x, order, top_k=True)
+    with pytest.raises(ValueError, match="combine: num_valid must be an integer scalar"):
+        combine(jnp.ones((6, 4)), order, jnp.ones((3, 2)), num_valid=3.7)

@@ -200,7 +200,7 @@ def test_replaces_the_dropless_path_of_aristax_moe(backend):
         ("permute", dict(x=jnp.zeros((4,))), r"x must be \[T, D\]"),
         ("permute", dict(sort_order=jnp.arange(7)), r"sort_order .* shape \[T\*K\] = \[8\]"),
         ("permute", dict(sort_order=jnp.zeros(8)), r"sort_order must be an integer array"),
-        ("permute", dict(num_valid=jnp.zeros(3, jnp.int32)), "num_valid must be a scalar"),
+        ("permute", dict(num_valid=jnp.zeros(3, jnp.int32)), "num_valid must be an integer scalar"),
         ("combine", dict(rows=jnp.zeros((9, 3))), r"rows must be \[T\*K, D\] = \[8, D\]"),
         ("combine", dict(weights=jnp.zeros(8)), r"weights must be \[T, K\]"),
         ("combine", dict(sort_order=jnp.arange(4)), r"sort_order .* shape \[T\*K\] = \[8\]"),
