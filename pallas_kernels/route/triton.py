@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from aristax.pallas_kernels.route.reference import RouteOutput
+from aristax.pallas_kernels.route.reference import RouteOutput, normalize_rows
 from aristax.pallas_kernels.tiling import next_pow2, out_type
 
 MAX_EXPERTS = 1024  # Ep x BT tiles beyond this spill registers; fall back instead.
@@ -131,10 +131,8 @@ def _slot_tiles(picks, scores, cols, kcols, normalize: bool):
         ids = jnp.where(in_k, idx[:, None], ids)
         wts = jnp.where(in_k, jnp.sum(jnp.where(hit, scores, 0.0), axis=1)[:, None], wts)
         onehot = onehot + jnp.where(hit, 1, 0)
-    if normalize:  # as reference.normalize_rows: an underflowed row gets 0, not NaN
-        total = jnp.sum(wts, axis=1, keepdims=True)
-        ok = total >= jnp.finfo(wts.dtype).tiny
-        wts = jnp.where(ok, wts / jnp.where(ok, total, 1.0), 0.0)
+    if normalize:  # an underflowed row gets 0, not NaN
+        wts = normalize_rows(wts)
     return ids, wts, onehot
 
 
