@@ -1,4 +1,4 @@
-"""Test-wide setup: 8 host CPU devices and strict dtype promotion.
+"""Test-wide setup: 8 host CPU devices, strict dtype promotion, full float32 products.
 
 XLA_FLAGS must be set before jax initialises its backends, so this runs at import.
 """
@@ -16,6 +16,9 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+# The references are float32 products compared at float32 tolerances: on a GPU JAX's
+# default would run them in TF32 (the CPU computes float32 whatever this says).
+jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -137,13 +137,16 @@ def _set(param: nnx.Variable, array: np.ndarray, dtype) -> None:
     param.set_value(jnp.asarray(np.ascontiguousarray(array), dtype))
 
 
-def load_pretrained(directory: str | os.PathLike, *, dtype: str | None = None, mesh=None,
-                    plan=None) -> Mixtral:
+def load_pretrained(directory: str | os.PathLike, *, dtype: str | None = None,
+                    matmul_precision: str | None = MixtralConfig.matmul_precision,
+                    mesh=None, plan=None) -> Mixtral:
     """Read a Hugging Face Mixtral directory into a ``Mixtral`` (in eval mode).
 
     Args:
       directory: holds config.json and the safetensors file(s).
       dtype: parameter dtype (default: ``MixtralConfig.dtype``, "float32").
+      matmul_precision: ``MixtralConfig.matmul_precision`` (default "highest": float32
+        products in full float32, as Hugging Face computes them).
       mesh, plan: as for ``Mixtral(...)``: expert parallelism over ``mesh``, the
         experts (logical in the checkpoint) stored in ``plan``'s physical order.
     Raises:
@@ -154,7 +157,9 @@ def load_pretrained(directory: str | os.PathLike, *, dtype: str | None = None, m
     config_path = directory / "config.json"
     if not config_path.exists():
         raise FileNotFoundError(f"{config_path} not found: not a Hugging Face checkpoint")
-    overrides = {} if dtype is None else {"dtype": dtype}
+    overrides = {"matmul_precision": matmul_precision}
+    if dtype is not None:
+        overrides["dtype"] = dtype
     cfg = MixtralConfig.from_hf(json.loads(config_path.read_text()), **overrides)
     reader = _Reader(directory)
     model = nnx.eval_shape(lambda: Mixtral(cfg, rngs=nnx.Rngs(0), mesh=mesh))

@@ -17,6 +17,7 @@ left padding the window counts real tokens exactly as HF does.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from functools import partial
@@ -33,7 +34,8 @@ from aristax import routing as routing_lib
 from aristax.config import RouterConfig, check_float_dtype
 from aristax.models import sparse_moe
 
-_FIELDS_HF_ONLY = ("dtype",)
+# Fields of how this model computes, which config.json does not hold
+_NOT_IN_CONFIG_JSON = ("dtype", "matmul_precision")
 # transformers' MixtralConfig.attribute_map: config.json keys read as another field
 _HF_ALIASES = {"num_experts": "num_local_experts"}
 
@@ -49,6 +51,13 @@ class MixtralConfig:
     ``head_dim`` None means ``hidden_size // num_attention_heads`` (resolved on build).
     ``dtype`` is the parameter and compute dtype of this model ("float32" by default;
     it is not read from a checkpoint, whose dtype only describes its storage).
+    ``matmul_precision`` is the precision of a float32 model's matrix products, a
+    ``jax.default_matmul_precision`` name: "highest" (default) computes them in full
+    float32, as PyTorch and so Hugging Face do by default (JAX's own default lets an
+    NVIDIA GPU use TF32, about 1e-3 relative, far outside the parity tolerance);
+    "default" or "tensorfloat32" trade that for speed; None keeps JAX's current
+    setting. The CPU computes float32 products in full float32 whatever this says;
+    bfloat16 models ignore it.
     """
 
     vocab_size: int = 32000
@@ -72,6 +81,7 @@ class MixtralConfig:
     eos_token_id: int | tuple[int, ...] | None = 2
     pad_token_id: int | None = None
     dtype: str = "float32"
+    matmul_precision: str | None = "highest"
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -105,6 +115,13 @@ class MixtralConfig:
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         check_float_dtype("dtype", self.dtype, "MixtralConfig")
+        try:
+            with jax.default_matmul_precision(self.matmul_precision):
+                pass
+        except ValueError:
+            raise _bad("matmul_precision", self.matmul_precision,
+                       "use a jax.default_matmul_precision name ('highest' for full "
+                       "float32, 'default' for JAX's choice) or None") from None
 
     # ----------------------------------------------------------------- HF config
     @classmethod
@@ -132,7 +149,7 @@ class MixtralConfig:
         theta = rope.get("rope_theta", hf.get("rope_theta", cls.rope_theta))
         hf = {_HF_ALIASES.get(key, key): value for key, value in hf.items()}
         kwargs = {f.name: hf[f.name] for f in dataclasses.fields(cls)
-                  if f.name in hf and f.name not in _FIELDS_HF_ONLY}
+                  if f.name in hf and f.name not in _NOT_IN_CONFIG_JSON}
         kwargs["rope_theta"] = float(theta)
         if kwargs.get("num_key_value_heads") is None:
             kwargs["num_key_value_heads"] = hf.get("num_attention_heads", cls.num_attention_heads)
@@ -142,7 +159,7 @@ class MixtralConfig:
     def to_hf(self) -> dict:
         """The ``config.json`` dict that ``transformers.MixtralForCausalLM`` loads."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-               if f.name not in ("rope_theta", "dtype")}
+               if f.name not in ("rope_theta", *_NOT_IN_CONFIG_JSON)}
         if isinstance(out["eos_token_id"], tuple):
             out["eos_token_id"] = list(out["eos_token_id"])
         out.update(
@@ -173,6 +190,14 @@ class MixtralConfig:
 
     def replace(self, **changes) -> MixtralConfig:
         return dataclasses.replace(self, **changes)
+
+
+def matmul_precision(config: MixtralConfig) -> contextlib.AbstractContextManager:
+    """The context a model of ``config`` computes in: ``jax.default_matmul_precision``
+    of ``config.matmul_precision`` for a float32 model, else JAX's current setting."""
+    if config.matmul_precision is None or jnp.dtype(config.dtype) != jnp.float32:
+        return contextlib.nullcontext()
+    return jax.default_matmul_precision(config.matmul_precision)
 
 
 def check_token_ids(input_ids, vocab_size: int) -> None:
@@ -541,7 +566,14 @@ class Mixtral(nnx.Module):
           last_only: compute logits for the last position only ([B, 1, V]).
         Returns:
           ``MixtralOutput``.
+        Matrix products run at ``config.matmul_precision`` (see ``MixtralConfig``).
         """
+        with matmul_precision(self.config):
+            return self._run(input_ids, attention_mask, position_ids, cache, decode_weights,
+                             last_only)
+
+    def _run(self, input_ids, attention_mask, position_ids, cache, decode_weights,
+             last_only) -> MixtralOutput:
         cfg = self.config
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}")
@@ -587,12 +619,14 @@ class Mixtral(nnx.Module):
 
     # ----------------------------------------------------------------- checkpoints
     @classmethod
-    def from_pretrained(cls, directory, *, dtype: str | None = None, mesh=None,
-                        plan=None) -> Mixtral:
+    def from_pretrained(cls, directory, *, dtype: str | None = None,
+                        matmul_precision: str | None = MixtralConfig.matmul_precision,
+                        mesh=None, plan=None) -> Mixtral:
         """Load a local Hugging Face Mixtral directory (see ``aristax.models.hf``)."""
         from aristax.models import hf
 
-        return hf.load_pretrained(directory, dtype=dtype, mesh=mesh, plan=plan)
+        return hf.load_pretrained(directory, dtype=dtype, matmul_precision=matmul_precision,
+                                  mesh=mesh, plan=plan)
 
     def save_pretrained(self, directory, *, max_shard_bytes: int | None = None) -> None:
         """Write config.json + safetensors that ``transformers`` loads."""
