@@ -42,7 +42,10 @@ class MoEParams:
 
 
 def router_logits(x: jax.Array, router_de: jax.Array) -> jax.Array:
-    """[T, E] = x[T, D] @ router_de[D, E], in float32 (float64 for float64 x).
+    """[T, E] = x[T, D] @ router_de[D, E], in float32 (float64 for float64 x), at full
+    precision whatever ``jax.default_matmul_precision`` says, as the route kernels and
+    Hugging Face compute it (on a GPU JAX's default, TF32, could pick other experts
+    at near-ties than the fused route kernel; the product is small).
 
     A token with a NaN or inf feature gets NaN logits (so it is routed nowhere) and
     adds nothing to router_de's gradient: its row is zeroed before the product, since
@@ -50,7 +53,8 @@ def router_logits(x: jax.Array, router_de: jax.Array) -> jax.Array:
     """
     dtype = accumulation_dtype(x.dtype)
     finite = jnp.all(jnp.isfinite(x), axis=-1, keepdims=True)
-    logits = jnp.dot(jnp.where(finite, x, 0).astype(dtype), router_de.astype(dtype))
+    logits = jnp.dot(jnp.where(finite, x, 0).astype(dtype), router_de.astype(dtype),
+                     precision=jax.lax.Precision.HIGHEST)
     return jnp.where(finite, logits, jnp.nan)
 
 

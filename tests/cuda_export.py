@@ -9,7 +9,9 @@ keeps the lowering tests running on both (``gpu_mesh`` for code in a ``shard_map
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import re
 
 import jax
 
@@ -39,3 +41,22 @@ def export_for_cuda(fn, *avals, disabled_checks=()) -> jax.export.Exported:
     with gpu_target():
         return jax.export.export(fn, platforms=["cuda"],
                                  disabled_checks=list(disabled_checks))(*avals)
+
+
+_DOT = re.compile(r"(stablehlo\.dot_general|chlo\.ragged_dot)")
+_PRECISION = re.compile(r"precision(?:_config)? = \[\"?(\w+)\"?, \"?(\w+)\"?\]")
+
+
+def dot_precisions(fn, *args) -> collections.Counter:
+    """{(op, (lhs, rhs precision)): count} over the dots of ``jax.jit(fn)(*args)``
+    exported for CUDA; the precision is None where the dot has none (JAX's DEFAULT:
+    TF32 for float32 on an NVIDIA GPU). The CPU ignores precision, so a test reads it
+    here, where a GPU's XLA gets it."""
+    avals = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
+    found = collections.Counter()
+    for line in export_for_cuda(jax.jit(fn), *avals).mlir_module().splitlines():
+        op = _DOT.search(line)
+        if op and line.lstrip().startswith("%"):
+            precision = _PRECISION.search(line)
+            found[op.group(1), precision and precision.groups()] += 1
+    return found

@@ -331,6 +331,23 @@ def test_fused_routing_equals_router_and_dropless_dispatch(case):
                 np.testing.assert_array_equal(a, b, err_msg=name)
 
 
+def test_router_logits_are_full_precision_under_any_jax_default():
+    """The plain router's product and its gradient are float32 products at HIGHEST, as
+    in the route kernels (exported for CUDA, where JAX's default would be TF32)."""
+    from cuda_export import dot_precisions
+
+    from aristax.moe import router_logits
+
+    def logits_and_grads(x, w):
+        return jax.grad(lambda x, w: jnp.sum(jnp.sin(router_logits(x, w))), (0, 1))(x, w)
+
+    x, w = jnp.ones((9, 16)), jnp.ones((16, 4))
+    with jax.default_matmul_precision("default"):
+        found = dot_precisions(logits_and_grads, x, w)
+    assert sum(found.values()) == 3, found  # forward, dx, dw
+    assert set(found) == {("stablehlo.dot_general", ("HIGHEST", "HIGHEST"))}, found
+
+
 def test_fused_routing_leaves_what_the_kernel_does_not_do_to_the_plain_path():
     from aristax.moe import fused_routing
 
