@@ -131,10 +131,11 @@ def combine(rows: jax.Array, dispatch: Dispatch, weights: jax.Array) -> jax.Arra
     """Weighted sum back into token order: rows[M, D], weights[T, K] -> y[T, D].
 
     y[t] = sum_k weights[t, k] * rows[slot[t, k]] over kept slots, accumulated in at
-    least float32.
+    least float32, at full precision (a weighted sum, as the combine kernels compute
+    it; JAX's default precision would round its float32 terms to TF32 on a GPU).
     """
     acc = accumulation_dtype(rows.dtype, weights.dtype)
     w = jnp.where(dispatch.kept, weights.astype(acc), 0.0)
     gathered = jnp.take(rows, dispatch.slot, axis=0, mode="fill", fill_value=0)  # [T,K,D]
     gathered = jnp.where(dispatch.kept[..., None], gathered.astype(acc), 0.0)
-    return jnp.einsum("tk,tkd->td", w, gathered)
+    return jnp.einsum("tk,tkd->td", w, gathered, precision=jax.lax.Precision.HIGHEST)

@@ -5,15 +5,19 @@ JAX 0.10 lowered Pallas Triton kernels for sm_90 when it found no GPU; JAX 0.11 
 the target from the abstract mesh's ``AbstractDevice`` and refuses without one. Setting
 that device here (around the export only: inside it ``jit`` would lower for the GPU)
 keeps the lowering tests running on both (``gpu_mesh`` for code in a ``shard_map``).
+
+``dot_precisions`` reads the precision that a GPU would get for each matrix product
+(the CPU ignores it).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import re
+from typing import NamedTuple
 
 import jax
+import jax.extend
 
 # Exported Triton calls carry no stable custom-call version; the tests only lower them.
 TRITON_CUDA = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
@@ -43,20 +47,43 @@ def export_for_cuda(fn, *avals, disabled_checks=()) -> jax.export.Exported:
                                  disabled_checks=list(disabled_checks))(*avals)
 
 
-_DOT = re.compile(r"(stablehlo\.dot_general|chlo\.ragged_dot)")
-_PRECISION = re.compile(r"precision(?:_config)? = \[\"?(\w+)\"?, \"?(\w+)\"?\]")
+
+
+class Product(NamedTuple):
+    """A matrix product in a jaxpr: its primitive, whether it is inside a Pallas
+    kernel, its (lhs, rhs) precision names (None: JAX's DEFAULT, TF32 for float32 on an
+    NVIDIA GPU) and the sizes of the lhs dimensions it contracts."""
+
+    primitive: str
+    in_kernel: bool
+    precision: tuple[str, str] | None
+    contracting: tuple[int, ...]
 
 
 def dot_precisions(fn, *args) -> collections.Counter:
-    """{(op, (lhs, rhs precision)): count} over the dots of ``jax.jit(fn)(*args)``
-    exported for CUDA; the precision is None where the dot has none (JAX's DEFAULT:
-    TF32 for float32 on an NVIDIA GPU). The CPU ignores precision, so a test reads it
-    here, where a GPU's XLA gets it."""
-    avals = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
+    """{Product: count} over the matrix products of ``jax.make_jaxpr(fn)(*args)``,
+    nested jaxprs and Pallas kernels included. The CPU ignores precision, so a test
+    reads it here: XLA and Triton get it from these products."""
     found = collections.Counter()
-    for line in export_for_cuda(jax.jit(fn), *avals).mlir_module().splitlines():
-        op = _DOT.search(line)
-        if op and line.lstrip().startswith("%"):
-            precision = _PRECISION.search(line)
-            found[op.group(1), precision and precision.groups()] += 1
+
+    def walk(jaxpr, in_kernel):
+        for eqn in jaxpr.eqns:
+            params = eqn.params
+            if eqn.primitive.name in ("dot_general", "ragged_dot_general"):
+                dims = (params["dimension_numbers"] if "dimension_numbers" in params
+                        else params["ragged_dot_dimension_numbers"].dot_dimension_numbers)
+                shape = eqn.invars[0].aval.shape
+                precision = params["precision"]
+                found[Product(eqn.primitive.name, in_kernel,
+                              precision and tuple(str(p) for p in precision),
+                              tuple(shape[d] for d in dims[0][0]))] += 1
+            inner = in_kernel or eqn.primitive.name == "pallas_call"
+            for param in params.values():
+                for sub in param if isinstance(param, (tuple, list)) else (param,):
+                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                        walk(sub.jaxpr, inner)
+                    elif isinstance(sub, jax.extend.core.Jaxpr):
+                        walk(sub, inner)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr, False)
     return found

@@ -331,21 +331,46 @@ def test_fused_routing_equals_router_and_dropless_dispatch(case):
                 np.testing.assert_array_equal(a, b, err_msg=name)
 
 
-def test_router_logits_are_full_precision_under_any_jax_default():
-    """The plain router's product and its gradient are float32 products at HIGHEST, as
-    in the route kernels (exported for CUDA, where JAX's default would be TF32)."""
-    from cuda_export import dot_precisions
-
+def _plain_route_and_combine(x, w):
+    """router_logits, route, dropless dispatch, combine: the plain path's products
+    besides the expert GEMMs."""
+    from aristax import dispatch as dispatch_lib
+    from aristax import routing as routing_lib
     from aristax.moe import router_logits
 
-    def logits_and_grads(x, w):
-        return jax.grad(lambda x, w: jnp.sum(jnp.sin(router_logits(x, w))), (0, 1))(x, w)
+    cfg = MoEConfig(num_experts=w.shape[1], top_k=3, d_model=x.shape[1], d_ff=8)
+    routing = routing_lib.route(router_logits(x, w), cfg.router_config)
+    dispatch = dispatch_lib.dropless_dispatch(routing)
+    return dispatch_lib.combine(dispatch_lib.permute(x, dispatch), dispatch, routing.weights)
 
-    x, w = jnp.ones((9, 16)), jnp.ones((16, 4))
-    with jax.default_matmul_precision("default"):
-        found = dot_precisions(logits_and_grads, x, w)
-    assert sum(found.values()) == 3, found  # forward, dx, dw
-    assert set(found) == {("stablehlo.dot_general", ("HIGHEST", "HIGHEST"))}, found
+
+def _fused_route_and_combine(x, w):
+    """The route and combine ops (reference backends; Triton's route kernel uses
+    HIGHEST in its kernel)."""
+    from aristax.pallas_kernels.permute import api as permute_api
+    from aristax.pallas_kernels.route import api as route_api
+
+    out = route_api.route(x, w, top_k=3, normalize=True, implementation="reference")
+    rows = permute_api.permute(x, out.sort_order, top_k=3, implementation="reference")
+    return permute_api.combine(rows, out.sort_order, out.weights, implementation="reference")
+
+
+@pytest.mark.parametrize("path", [_plain_route_and_combine, _fused_route_and_combine])
+def test_routing_and_combine_are_full_precision_under_any_jax_setting(path):
+    """Routing and the K-way weighted combine (small; not GEMMs) are float32 products
+    at HIGHEST, forward and backward, whatever ``jax.default_matmul_precision`` says
+    (on a GPU "tensorfloat32", or JAX's default, would round them to TF32): the plain
+    path as the route and combine kernels, which compute them exactly."""
+    from cuda_export import dot_precisions
+
+    def grads(x, w):
+        return jax.grad(lambda x, w: jnp.sum(jnp.sin(path(x, w))), (0, 1))(x, w)
+
+    x, w = jnp.ones((7, 16)), jnp.ones((16, 5))
+    with jax.default_matmul_precision("tensorfloat32"):
+        found = dot_precisions(grads, x, w)
+    assert sum(found.values()) >= 5, found  # logits, dx, dw, the combine and its VJP
+    assert {p.precision for p in found} == {("HIGHEST", "HIGHEST")}, found
 
 
 def test_fused_routing_leaves_what_the_kernel_does_not_do_to_the_plain_path():

@@ -47,7 +47,7 @@ from jax.experimental.pallas import triton as plgpu
 from aristax.pallas_kernels.permute.triton import MAX_TOP_K
 from aristax.pallas_kernels.ragged_dot.triton import (
     DTYPES, GROUP, ROW_HI, ROW_LO, TILE, KernelTiles, TritonTiles, _load, _mask2d,
-    _precision, _tail_mask, gmm_schedule,
+    _tail_mask, gmm_schedule,
 )
 from aristax.pallas_kernels.tiling import out_type
 
@@ -189,8 +189,7 @@ def _gate_up_kernel(sched_ref, order_ref, nv_ref, x_ref, *refs, tiles: KernelTil
         cols = jnp.minimum(k0 + jnp.arange(bk, dtype=jnp.int32), d - 1)
         a = plgpu.load(x_ref.at[tokens[:, None], cols[None, :]],
                        mask=_mask2d(live, k_ok), other=0)
-        prec = _precision(a.dtype)
-        return tuple(acc + plgpu.dot(a, weight_tile(ref, k0, k_ok), precision=prec)
+        return tuple(acc + plgpu.dot(a, weight_tile(ref, k0, k_ok))
                      for acc, ref in zip(accs, mats))
 
     zeros = jnp.zeros((bm, bn), jnp.float32)
@@ -220,7 +219,7 @@ def _down_combine_kernel(sched_ref, order_ref, nv_ref, w_ref, h_ref, down_ref, _
         k_ok = _tail_mask(k0, bk, f)
         a = _load(h_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], _mask2d(live, k_ok))
         b = _load(down_ref.at[group, pl.ds(k0, bk), pl.ds(col0, bn)], _mask2d(k_ok, col_ok))
-        return acc + plgpu.dot(a, b, precision=_precision(a.dtype))
+        return acc + plgpu.dot(a, b)
 
     acc = lax.fori_loop(0, jnp.where(any_live, pl.cdiv(f, bk), 0), body,
                         jnp.zeros((bm, bn), jnp.float32))

@@ -16,8 +16,10 @@ tgmm (out[g] = lhs[rows of g]^T @ dout[rows of g]): a grid over (G, K tiles, N t
 each program walks its group's rows in ``block_m`` chunks (a loop with a traced trip
 count) and accumulates [block_k, block_n] in float32.
 
-Both accumulate in float32 (float32 inputs use IEEE float32 dots, not TF32) and cast
-to ``out_dtype`` at the store. Every value in the kernels is a power-of-2 tile of at
+Both accumulate in float32 and cast to ``out_dtype`` at the store. float32 inputs are
+multiplied at the precision ``jax.default_matmul_precision`` sets, as XLA's dots and
+so the reference backend are: IEEE float32 at "highest" or "float32", TF32 at JAX's
+default. Every value in the kernels is a power-of-2 tile of at
 least 16 on each side (Triton's ``tl.dot`` needs both); M, K, N need not be multiples
 of the tiles: tails are masked.
 """
@@ -216,11 +218,6 @@ def _tail_mask(start, size: int, bound: int):
     return None if bound % size == 0 else start + jnp.arange(size, dtype=jnp.int32) < bound
 
 
-def _precision(dtype):
-    """IEEE float32 dots for float32 inputs (Triton would otherwise use TF32)."""
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
-
-
 def _gmm_kernel(sched_ref, lhs_ref, rhs_ref, out_ref, *, tiles: KernelTiles, dims):
     """One (slot, N tile) program: out[tile rows in group, n tile] = lhs @ rhs[group].
 
@@ -243,7 +240,7 @@ def _gmm_kernel(sched_ref, lhs_ref, rhs_ref, out_ref, *, tiles: KernelTiles, dim
                   _mask2d(in_group, k_ok))
         b = _load(rhs_ref.at[group, pl.ds(k0, bk), pl.ds(col0, bn)],
                   _mask2d(k_ok, col_ok))
-        return acc + plgpu.dot(a, b, precision=_precision(a.dtype))
+        return acc + plgpu.dot(a, b)
 
     steps = jnp.where(row_hi > row_lo, pl.cdiv(k, bk), 0)
     acc = lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32))
@@ -300,7 +297,7 @@ def _tgmm_kernel(offsets_ref, lhs_ref, dout_ref, out_ref, *, tiles: KernelTiles,
                   _mask2d(row_ok, k_ok))
         b = _load(dout_ref.at[pl.ds(row0, bm), pl.ds(n0, bn)],
                   _mask2d(row_ok, n_ok))
-        return acc + plgpu.dot(a, b, trans_a=True, precision=_precision(a.dtype))
+        return acc + plgpu.dot(a, b, trans_a=True)
 
     steps = (row_hi - row_lo + bm - 1) // bm  # int32 also under jax_enable_x64
     acc = lax.fori_loop(0, steps, body, jnp.zeros((bk, bn), jnp.float32))

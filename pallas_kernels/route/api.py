@@ -71,7 +71,7 @@ def _score_vjp(logits: jax.Array, ids: jax.Array, dweights: jax.Array,
         dg = jnp.where(ok, (dg - jnp.sum(dg * g, axis=-1, keepdims=True) / total) / total, 0.0)
     dg = jnp.where(finite[:, None], dg, 0.0)
     onehot = jax.nn.one_hot(ids, logits.shape[1], dtype=scores.dtype)  # [T, K, E]
-    dscores = jnp.einsum("tk,tke->te", dg, onehot)
+    dscores = jnp.einsum("tk,tke->te", dg, onehot, precision=jax.lax.Precision.HIGHEST)
     if score == "softmax":
         dl = scores * (dscores - jnp.sum(dscores * scores, axis=-1, keepdims=True))
     else:

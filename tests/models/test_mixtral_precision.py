@@ -3,18 +3,17 @@
 JAX's default precision lets an NVIDIA GPU run float32 products in TF32 (10 mantissa
 bits), which PyTorch does not by default; the parity tolerance (1e-4 / 1e-5) would not
 hold there. The CPU ignores the precision, so these tests read it where XLA gets it:
-the precision of every dot in the program lowered for CUDA.
+the precision of every matrix product in the traced program.
 """
 
 from __future__ import annotations
 
-import collections
 import json
 
 import jax
 import jax.numpy as jnp
 import pytest
-from cuda_export import dot_precisions
+from cuda_export import Product, dot_precisions
 from flax import nnx
 
 from aristax.models import Mixtral, MixtralConfig
@@ -26,10 +25,9 @@ TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_laye
 def precisions_besides_routers(found) -> set:
     """The precisions of a forward's dots but its routers' (one per layer, always at
     HIGHEST: ``aristax.moe.router_logits``)."""
-    routers = collections.Counter(
-        {("stablehlo.dot_general", ("HIGHEST", "HIGHEST")): TINY["num_hidden_layers"]})
-    assert found & routers == routers, found
-    return {precision for _, precision in found - routers}
+    router = Product("dot_general", False, ("HIGHEST", "HIGHEST"), (TINY["hidden_size"],))
+    assert found[router] == TINY["num_hidden_layers"], found
+    return {p.precision for p in found if p != router}
 
 
 def model_and_state(**config):
@@ -60,9 +58,8 @@ def test_float32_products_are_full_float32_whatever_jax_default(outer):
     ids = jnp.zeros((2, 5), jnp.int32)
     with jax.default_matmul_precision(outer):
         found = dot_precisions(forward_and_grad(graphdef), state, ids)
-    ops = {op for op, _ in found}
-    assert ops == {"stablehlo.dot_general", "chlo.ragged_dot"}, found
-    assert {precision for _, precision in found} == {("HIGHEST", "HIGHEST")}, found
+    assert {p.primitive for p in found} == {"dot_general", "ragged_dot_general"}, found
+    assert {p.precision for p in found} == {("HIGHEST", "HIGHEST")}, found
 
 
 @pytest.mark.parametrize("config", [dict(matmul_precision=None), dict(dtype="bfloat16")])

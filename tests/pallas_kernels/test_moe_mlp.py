@@ -445,3 +445,39 @@ def test_moe_layer_matches_reference_backend(name, case, monkeypatch):
     for leaf, ref in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         scale = max(1.0, float(jnp.max(jnp.abs(ref.astype(jnp.float32)))))
         chex.assert_trees_all_close(leaf, ref, atol=1e-4 * scale, rtol=1e-4)
+
+
+@pytest.mark.parametrize("op", ["moe_mlp", "ragged_dot"])
+@pytest.mark.parametrize("setting, expected", [("tensorfloat32", ("HIGH", "HIGH")),
+                                               ("highest", ("HIGHEST", "HIGHEST"))])
+def test_triton_float32_products_follow_jax_matmul_precision(op, setting, expected):
+    """The Triton GEMM kernels multiply float32 at the precision that
+    ``jax.default_matmul_precision`` sets, as XLA's dots, and so the reference backend,
+    do (TF32 at JAX's default on a GPU, IEEE at "highest"): the backends agree under
+    any setting. Forward and backward kernels."""
+    from cuda_export import dot_precisions
+
+    from aristax.pallas_kernels.ragged_dot import api as ragged_dot_api
+
+    T, D, F, E, K = 8, 16, 32, 4, 2
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((T, D), np.float32))
+    gate, up = (jnp.asarray(rng.standard_normal((E, D, F), np.float32)) for _ in range(2))
+    down = jnp.asarray(rng.standard_normal((E, F, D), np.float32))
+    sizes = jnp.asarray([5, 0, 3, 8], jnp.int32)
+    order = jnp.asarray(rng.permutation(T * K), jnp.int32)
+    weights = jnp.full((T, K), 0.5, jnp.float32)
+
+    def loss(x, gate, up, down):
+        if op == "moe_mlp":
+            y = moe_mlp(x, order, weights, sizes, gate, up, down, activation="swiglu",
+                        implementation="triton", interpret=True)
+        else:
+            y = ragged_dot_api.ragged_dot(jnp.concatenate([x, x]), up, sizes,
+                                          implementation="triton", interpret=True)
+        return jnp.sum(y * y)
+
+    with jax.default_matmul_precision(setting):
+        found = dot_precisions(jax.grad(loss, argnums=(0, 1, 2, 3)), x, gate, up, down)
+    in_kernels = {p.precision for p in found if p.in_kernel}
+    assert in_kernels == {expected}, found
