@@ -296,7 +296,9 @@ def down_combine(h, down_efd, sort_order, weights, num_valid, group_sizes, *,
     h: [M, F] in expert order (16-bit); down_efd: [E, F, D], h's dtype.
     """
     (m, f), (e, _, d), (T, K) = h.shape, down_efd.shape, weights.shape
-    tiles = mg._resolve_tiles(tiles, m, f, d, e, h.dtype, jnp.float32)
+    # the scatter holds its float32 tile in SMEM around the GEMM's pipeline
+    tiles = mg._resolve_tiles(tiles, m, f, d, e, h.dtype, jnp.float32,
+                              out_tile_with_pipeline=True)
     if tiles.block_n % permute_mg.ROW_ALIGN:  # the epilogue's 1-D rows need 128+
         tiles = dataclasses.replace(tiles, block_n=permute_mg.ROW_ALIGN)
     body = functools.partial(_down_scatter_body, tiles=tiles)

@@ -151,23 +151,31 @@ class MosaicTiles:
             bwd_max_concurrent_steps=3,
         )
 
-    def smem_bytes(self, in_itemsize: int, out_itemsize: int, *, bwd: bool) -> int:
-        """SMEM of one program: the pipeline's operand buffers, then (a later scope,
-        so the larger of the two counts) the output tile; plus 1 KiB for barriers."""
+    def smem_bytes(self, in_itemsize: int, out_itemsize: int, *, bwd: bool,
+                   out_tile_with_pipeline: bool = False) -> int:
+        """SMEM of one program: the pipeline's operand buffers and the output tile,
+        plus 1 KiB for barriers. The tile comes after the pipeline (a later scope, so
+        the larger of the two counts), or, with ``out_tile_with_pipeline`` (a kernel
+        that holds its tile around the pipeline, e.g. moe_mlp's ``down_combine``),
+        alongside it (the sum)."""
         if bwd:
             bm, bk, bn = self.bwd_block_m, self.bwd_block_k, self.bwd_block_n
             operands = self.bwd_max_concurrent_steps * (bm * bk + bm * bn) * in_itemsize
-            return max(operands, bk * bn * out_itemsize) + 1024
-        bm, bk, bn = self.block_m, self.block_k, self.block_n
-        operands = self.max_concurrent_steps * (bm * bk + bk * bn) * in_itemsize
-        return max(operands, bm * bn * out_itemsize) + 1024
+            out = bk * bn * out_itemsize
+        else:
+            bm, bk, bn = self.block_m, self.block_k, self.block_n
+            operands = self.max_concurrent_steps * (bm * bk + bk * bn) * in_itemsize
+            out = bm * bn * out_itemsize
+        return (operands + out if out_tile_with_pipeline else max(operands, out)) + 1024
 
-    def fit(self, k: int, n: int, in_dtype, out_dtype) -> MosaicTiles:
+    def fit(self, k: int, n: int, in_dtype, out_dtype, *,
+            out_tile_with_pipeline: bool = False) -> MosaicTiles:
         """These tiles adjusted to serve K=k and N=n (multiples of 64, as ``check``
         requires), so that a call ``check`` accepts is always served.
 
         A block_k/block_n (either pass) that does not divide its dimension drops to
-        64; a pipeline deeper than Hopper's SMEM holds gets shallower.
+        64; a pipeline deeper than Hopper's SMEM holds gets shallower
+        (``out_tile_with_pipeline``: the forward's, see ``smem_bytes``).
 
         Raises:
           ValueError: the tiles overflow SMEM even with a one-step pipeline.
@@ -182,22 +190,27 @@ class MosaicTiles:
         )
         sizes = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
         for bwd, field in ((False, "max_concurrent_steps"), (True, "bwd_max_concurrent_steps")):
-            while tiles.smem_bytes(*sizes, bwd=bwd) > SMEM_BYTES:
+            def smem(tiles, bwd=bwd):
+                return tiles.smem_bytes(*sizes, bwd=bwd,
+                                        out_tile_with_pipeline=out_tile_with_pipeline and not bwd)
+
+            while smem(tiles) > SMEM_BYTES:
                 if getattr(tiles, field) == 1:
-                    raise ValueError(f"{tiles} need {tiles.smem_bytes(*sizes, bwd=bwd)} "
+                    raise ValueError(f"{tiles} need {smem(tiles)} "
                                      f"bytes of SMEM > {SMEM_BYTES} at one pipeline step")
                 tiles = dataclasses.replace(tiles, **{field: getattr(tiles, field) - 1})
         return tiles
 
 
-def _resolve_tiles(tiles, m: int, k: int, n: int, num_groups: int, in_dtype, out_dtype):
+def _resolve_tiles(tiles, m: int, k: int, n: int, num_groups: int, in_dtype, out_dtype,
+                   *, out_tile_with_pipeline: bool = False):
     """The caller's MosaicTiles (or the heuristic's when None), fitted to K and N."""
     if tiles is None:
         tiles = MosaicTiles.for_shape(m, k, n, num_groups)
     if not isinstance(tiles, MosaicTiles):
         raise TypeError(f"mosaic_gpu: tiles must be MosaicTiles or None; got "
                         f"{type(tiles).__name__}")
-    return tiles.fit(k, n, in_dtype, out_dtype)
+    return tiles.fit(k, n, in_dtype, out_dtype, out_tile_with_pipeline=out_tile_with_pipeline)
 
 
 # ---------------------------------------------------------------------------

@@ -372,6 +372,24 @@ def test_exported_cuda_lowering(name, case):
         assert texts[1].count(f"custom_call {GPU_CALLS[name]}") == 2 + 8 + 2 * gated
 
 
+def test_mosaic_down_combine_budgets_its_tile_beside_the_pipeline():
+    """down_combine holds its float32 [block_m, block_n] tile in SMEM around the GEMM's
+    operand pipeline, so its tiles are fitted to the sum: with block_n=256 and 4 steps
+    the two need 320 KiB, over an H100's 227 KiB (this raised ValueError at lowering,
+    which no backend list falls back from); the pipeline gets shallower and lowers."""
+    T, K, F, D, E = 512, 2, 512, 512, 8
+    wide = mg.MosaicTiles(block_m=128, block_n=256, block_k=64, max_concurrent_steps=4)
+    fitted = mg._resolve_tiles(wide, T * K, F, D, E, jnp.bfloat16, jnp.float32,
+                               out_tile_with_pipeline=True)
+    assert fitted.block_n == 256 and fitted.max_concurrent_steps == 2
+    assert fitted.smem_bytes(2, 4, bwd=False, out_tile_with_pipeline=True) <= mg.SMEM_BYTES
+    S = jax.ShapeDtypeStruct
+    avals = (S((T * K, F), jnp.bfloat16), S((E, F, D), jnp.bfloat16), S((T * K,), jnp.int32),
+             S((T, K), jnp.float32), S((), jnp.int32), S((E,), jnp.int32))
+    fn = jax.jit(lambda *a: mosaic_gpu.down_combine(*a, tiles=wide, interpret=False))
+    assert GPU_CALLS["mosaic_gpu"] in export_for_cuda(fn, *avals).mlir_module()
+
+
 @pytest.mark.parametrize("name", KERNELS)
 def test_vmap_of_value_and_grad_lowers_for_cuda(name):
     """jax.vmap over a batch of problems (per-element routing and weights) runs the
