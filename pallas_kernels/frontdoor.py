@@ -28,6 +28,13 @@ def is_count(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def matmul_precision() -> str | None:
+    """The ``jax.default_matmul_precision`` in effect now. A kernel op's ``custom_vjp``
+    takes it at the call and traces its backward under it: the backward is traced
+    later, outside a context that held only the forward call (``Mixtral`` sets one)."""
+    return jax.config.jax_default_matmul_precision
+
+
 def candidates(
     op: str,
     registry: Mapping[str, Callable[..., Any]],

@@ -93,18 +93,20 @@ def _validate(x, sort_order, weights, group_sizes, gate_edf, up_edf, down_efd,
         _fail("num_valid", "a scalar or None", f"shape {jnp.shape(num_valid)}")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12))
 def _kernel_moe_mlp(x, sort_order, weights, group_sizes, nv, gate, up, down,
-                    name, activation, interpret, tiles):
-    """y [T, D] float32 by backend ``name``'s fused kernels."""
+                    name, activation, interpret, tiles, precision):
+    """y [T, D] float32 by backend ``name``'s fused kernels. ``precision``:
+    ``frontdoor.matmul_precision()`` at the call, for the backward."""
+    del precision  # the forward is traced in the caller's context
     return BACKENDS[name].moe_mlp(x, sort_order, weights, group_sizes, nv, gate, up, down,
                                   activation=activation, tiles=tiles, interpret=interpret)
 
 
 def _kernel_fwd(x, sort_order, weights, group_sizes, nv, gate, up, down,
-                name, activation, interpret, tiles):
+                name, activation, interpret, tiles, precision):
     y = _kernel_moe_mlp(x, sort_order, weights, group_sizes, nv, gate, up, down,
-                        name, activation, interpret, tiles)
+                        name, activation, interpret, tiles, precision)
     return y, (x, sort_order, weights, group_sizes, nv, gate, up, down)
 
 
@@ -135,9 +137,14 @@ def _slot_values(values, sort_order, shape):
     return jnp.zeros_like(values).at[sort_order].set(values).reshape(shape)
 
 
-def _kernel_bwd(name, activation, interpret, tiles, residuals, dy):
+def _kernel_bwd(name, activation, interpret, tiles, precision, residuals, dy):
     """Gradients for x, weights, gate, up, down (module docstring); None for the
-    integer arguments."""
+    integer arguments. Traced at the forward call's matmul precision."""
+    with jax.default_matmul_precision(precision):
+        return _kernel_grads(name, activation, interpret, tiles, residuals, dy)
+
+
+def _kernel_grads(name, activation, interpret, tiles, residuals, dy):
     x, sort_order, weights, group_sizes, nv, gate, up, down = residuals
     dtype, top_k, f32 = x.dtype, weights.shape[1], jnp.float32
     gmm, tgmm = _gemms(name, group_sizes, BACKENDS[name].backward_tiles(tiles), interpret)
@@ -255,4 +262,5 @@ def moe_mlp(
                                  activation=activation, num_valid=num_valid)
     nv = reference.valid_rows(num_valid, group_sizes)
     operands = vary_alike(x, sort_order, weights, group_sizes, nv, gate, up, down)
-    return _kernel_moe_mlp(*operands, name, activation, interpret, _tiles_for(tiles, name))
+    return _kernel_moe_mlp(*operands, name, activation, interpret, _tiles_for(tiles, name),
+                           frontdoor.matmul_precision())

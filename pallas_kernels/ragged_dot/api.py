@@ -19,6 +19,7 @@ backend: for out = ragged_dot(lhs, rhs),
   drhs = tgmm(lhs, dout)
 with dout cast to the input dtype and float32 accumulation; group_sizes gets none.
 Each of the two falls back to the reference when the backend's ``check`` refuses it.
+The backward runs at the ``jax.default_matmul_precision`` of the forward call.
 "reference" itself is ``jax.lax.ragged_dot`` under plain JAX autodiff: the oracle.
 """
 
@@ -84,21 +85,29 @@ def _tiles_for(tiles: Any, name: str) -> Any:
     return tiles.get(name) if isinstance(tiles, Mapping) else tiles
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _kernel_ragged_dot(lhs, rhs, group_sizes, name, out_dtype, interpret, tiles):
-    """lhs[M, K], rhs[G, K, N] -> [M, N] by backend ``name``'s gmm."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _kernel_ragged_dot(lhs, rhs, group_sizes, name, out_dtype, interpret, tiles, precision):
+    """lhs[M, K], rhs[G, K, N] -> [M, N] by backend ``name``'s gmm. ``precision``:
+    ``frontdoor.matmul_precision()`` at the call, for the backward."""
+    del precision  # the forward is traced in the caller's context
     return BACKENDS[name].gmm(lhs, rhs, group_sizes, out_dtype=out_dtype, tiles=tiles,
                               interpret=interpret)
 
 
-def _kernel_ragged_dot_fwd(lhs, rhs, group_sizes, name, out_dtype, interpret, tiles):
-    out = _kernel_ragged_dot(lhs, rhs, group_sizes, name, out_dtype, interpret, tiles)
+def _kernel_ragged_dot_fwd(lhs, rhs, group_sizes, name, out_dtype, interpret, tiles,
+                           precision):
+    out = _kernel_ragged_dot(lhs, rhs, group_sizes, name, out_dtype, interpret, tiles,
+                             precision)
     return out, (lhs, rhs, group_sizes)
 
 
-def _kernel_ragged_dot_bwd(name, out_dtype, interpret, tiles, residuals, dout):
+def _kernel_ragged_dot_bwd(name, out_dtype, interpret, tiles, precision, residuals, dout):
     """dlhs[M, K] = gmm(dout, rhs^T), drhs[G, K, N] = tgmm(lhs, dout); none for sizes."""
-    del out_dtype
+    with jax.default_matmul_precision(precision):
+        return _ragged_dot_grads(name, interpret, tiles, residuals, dout)
+
+
+def _ragged_dot_grads(name, interpret, tiles, residuals, dout):
     lhs, rhs, group_sizes = residuals
     dout = dout.astype(lhs.dtype)
     rhs_t = jnp.swapaxes(rhs, 1, 2)
@@ -152,4 +161,4 @@ def ragged_dot(
         return BACKENDS["reference"].ragged_dot(
             lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
     return _kernel_ragged_dot(*vary_alike(lhs, rhs, group_sizes), name, out_dtype, interpret,
-                              _tiles_for(tiles, name))
+                              _tiles_for(tiles, name), frontdoor.matmul_precision())

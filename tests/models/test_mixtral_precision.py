@@ -8,12 +8,13 @@ the precision of every matrix product in the traced program.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
 import jax.numpy as jnp
 import pytest
-from cuda_export import Product, dot_precisions
+from cuda_export import dot_precisions
 from flax import nnx
 
 from aristax.models import Mixtral, MixtralConfig
@@ -22,16 +23,17 @@ TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_laye
             num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
 
 
-def precisions_besides_routers(found) -> set:
-    """The precisions of a forward's dots but its routers' (one per layer, always at
-    HIGHEST: ``aristax.moe.router_logits``)."""
-    router = Product("dot_general", False, ("HIGHEST", "HIGHEST"), (TINY["hidden_size"],))
-    assert found[router] == TINY["num_hidden_layers"], found
-    return {p.precision for p in found if p != router}
+# Routing and the K-way combine are HIGHEST under any setting (aristax.moe.router_logits,
+# aristax.dispatch.combine); the other products follow the setting in force.
+HIGHEST, HIGH = ("HIGHEST", "HIGHEST"), ("HIGH", "HIGH")
 
 
-def model_and_state(**config):
-    model = Mixtral(MixtralConfig(**TINY, **config), rngs=nnx.Rngs(0))
+def model_and_state(implementation=None, **config):
+    """A tiny Mixtral split; ``implementation`` for its MoE blocks (None: the
+    platform's default: the reference on the CPU, the Triton kernels on a GPU)."""
+    cfg = MixtralConfig(**TINY, **config)
+    moe_config = dataclasses.replace(cfg.moe_config(), implementation=implementation)
+    model = Mixtral(cfg, rngs=nnx.Rngs(0), moe_config=moe_config)
     model.eval()
     return nnx.split(model)
 
@@ -52,14 +54,17 @@ def forward_and_grad(graphdef):
     return fn
 
 
+@pytest.mark.parametrize("implementation", [None, "triton"])
 @pytest.mark.parametrize("outer", ["default", "tensorfloat32"])
-def test_float32_products_are_full_float32_whatever_jax_default(outer):
-    graphdef, state = model_and_state()
+def test_float32_products_are_full_float32_whatever_jax_default(outer, implementation):
+    """Also in the Triton kernels, whose backward is traced outside the model's call."""
+    graphdef, state = model_and_state(implementation)
     ids = jnp.zeros((2, 5), jnp.int32)
     with jax.default_matmul_precision(outer):
         found = dot_precisions(forward_and_grad(graphdef), state, ids)
-    assert {p.primitive for p in found} == {"dot_general", "ragged_dot_general"}, found
-    assert {p.precision for p in found} == {("HIGHEST", "HIGHEST")}, found
+    kernels = {p.primitive for p in found if p.in_kernel}
+    assert kernels == ({"dot_general"} if implementation else kernels), found
+    assert sum(found.values()) > 20 and {p.precision for p in found} == {HIGHEST}, found
 
 
 @pytest.mark.parametrize("config", [dict(matmul_precision=None), dict(dtype="bfloat16")])
@@ -68,14 +73,14 @@ def test_none_or_bfloat16_keeps_jax_setting(config):
     ids = jnp.zeros((2, 5), jnp.int32)
     with jax.default_matmul_precision("high"):
         found = dot_precisions(lambda s, i: nnx.merge(graphdef, s)(i).logits, state, ids)
-    assert precisions_besides_routers(found) == {("HIGH", "HIGH")}, found
+    assert {p.precision for p in found} == {HIGH, HIGHEST}, found
 
 
 def test_chosen_precision_is_used():
     graphdef, state = model_and_state(matmul_precision="tensorfloat32")
     ids = jnp.zeros((2, 5), jnp.int32)
     found = dot_precisions(lambda s, i: nnx.merge(graphdef, s)(i).logits, state, ids)
-    assert precisions_besides_routers(found) == {("HIGH", "HIGH")}, found
+    assert {p.precision for p in found} == {HIGH, HIGHEST}, found
 
 
 def test_bad_precision_is_named():

@@ -472,7 +472,9 @@ def test_triton_float32_products_follow_jax_matmul_precision(op, setting, expect
     """The Triton GEMM kernels multiply float32 at the precision that
     ``jax.default_matmul_precision`` sets, as XLA's dots, and so the reference backend,
     do (TF32 at JAX's default on a GPU, IEEE at "highest"): the backends agree under
-    any setting. Forward and backward kernels."""
+    any setting. The backward kernels run at the setting of the forward call, also
+    when only that call is under it (as in ``Mixtral``) and the gradient is taken
+    outside."""
     from cuda_export import dot_precisions
 
     from aristax.pallas_kernels.ragged_dot import api as ragged_dot_api
@@ -487,15 +489,16 @@ def test_triton_float32_products_follow_jax_matmul_precision(op, setting, expect
     weights = jnp.full((T, K), 0.5, jnp.float32)
 
     def loss(x, gate, up, down):
-        if op == "moe_mlp":
-            y = moe_mlp(x, order, weights, sizes, gate, up, down, activation="swiglu",
-                        implementation="triton", interpret=True)
-        else:
-            y = ragged_dot_api.ragged_dot(jnp.concatenate([x, x]), up, sizes,
-                                          implementation="triton", interpret=True)
+        with jax.default_matmul_precision(setting):
+            if op == "moe_mlp":
+                y = moe_mlp(x, order, weights, sizes, gate, up, down, activation="swiglu",
+                            implementation="triton", interpret=True)
+            else:
+                y = ragged_dot_api.ragged_dot(jnp.concatenate([x, x]), up, sizes,
+                                              implementation="triton", interpret=True)
         return jnp.sum(y * y)
 
-    with jax.default_matmul_precision(setting):
+    with jax.default_matmul_precision("bfloat16"):  # DEFAULT, unlike either setting
         found = dot_precisions(jax.grad(loss, argnums=(0, 1, 2, 3)), x, gate, up, down)
     in_kernels = {p.precision for p in found if p.in_kernel}
     assert in_kernels == {expected}, found
