@@ -22,13 +22,16 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Skip tests marked ``gpu`` when no GPU is present; nothing else is skipped."""
-    if any(d.platform == "gpu" for d in jax.devices()):
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    """Skip tests marked ``gpu`` when no GPU is present, and tests marked
+    ``cpu_backend`` when one is (they need the CPU as JAX's default backend: its 8 host
+    devices, or the Mosaic GPU interpreter, which runs JAX from callbacks on the
+    default device); nothing else is skipped."""
+    gpu = any(d.platform == "gpu" for d in jax.devices())
+    marker, reason = (("cpu_backend", "needs the CPU as JAX's default backend")
+                      if gpu else ("gpu", "needs a CUDA GPU"))
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if marker in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture

@@ -85,9 +85,10 @@ def test_capacity_drops_counted_exactly(policy, factor):
 
 
 def test_vmap_over_tokens_says_how_to_batch_instead():
-    """jax.lax.ragged_dot cannot be vmapped with shared weights (jax 0.10 and 0.11); the
-    error says what to do, and the layer on the flattened batch is what vmap would be."""
-    cfg = MoEConfig(num_experts=4, top_k=2, d_model=8, d_ff=8)
+    """jax.lax.ragged_dot (the reference backend) cannot be vmapped with shared weights
+    (jax 0.10 and 0.11); the error says what to do, and the layer on the flattened batch
+    is what vmap would be."""
+    cfg = MoEConfig(num_experts=4, top_k=2, d_model=8, d_ff=8, implementation="reference")
     params = make(cfg).params()
     x = jax.random.normal(jax.random.key(0), (3, 5, 8))
     with pytest.raises(NotImplementedError, match=r"vmap.*all tokens at once.*lax\.map"):

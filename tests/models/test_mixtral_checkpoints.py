@@ -180,6 +180,7 @@ def test_saved_config_is_plain_json(small_pair, tmp_path):
     assert cfg["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "default"}
 
 
+@pytest.mark.cpu_backend
 def test_planned_model_loads_and_saves_experts_in_logical_order(tmp_path):
     """A skewed plan stores the 8 experts in physical slots (replicas, empty slots) on
     a 2 x 4 mesh. ``from_pretrained(mesh=, plan=)`` places the checkpoint's logical

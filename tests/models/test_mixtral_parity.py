@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -164,8 +165,12 @@ def test_decode_weights_path_matches_module_path_and_hf(small_pair, batch, seq):
     """With decode weights every projection reads the [out, in] copies and the MoE
     blocks run sparse_moe (on CPU at any size; both sizes here group rows by expert,
     the decode steps of the generate tests run each selected expert on all rows).
-    They equal Hugging Face and the aristax.MoE path."""
-    assert batch * seq > sparse_moe.max_selected_tokens()
+    They equal Hugging Face and the aristax.MoE path. (On a GPU, 39 tokens run each
+    selected expert on all rows, and 90 take the module path: skipped there.)"""
+    if not sparse_moe.use_decode_weights(batch * seq):
+        pytest.skip(f"{batch * seq} tokens take the module path on this platform")
+    if jax.default_backend() == "cpu":
+        assert batch * seq > sparse_moe.max_selected_tokens()
     lengths = [seq, seq // 2, 3]
     ids, mask = left_padded(np.random.default_rng(5), lengths, seq,
                             small_pair.hf.config.vocab_size)

@@ -413,6 +413,7 @@ def test_moe_layer_matches_reference_backend(name, monkeypatch):
         chex.assert_trees_all_close(leaf, want, atol=tol["atol"] * scale, rtol=tol["rtol"])
 
 
+@pytest.mark.cpu_backend
 def test_reference_serves_inputs_typed_on_an_explicit_mesh():
     """jax 0.10's ragged_dot has no Explicit-sharding rule; the reference must still
     serve (forward and gradients) inside ``jax.set_mesh`` with row-sharded lhs."""

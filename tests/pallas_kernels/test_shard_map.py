@@ -67,7 +67,8 @@ CASES = {  # id: (op, implementation, kernels the exported gradient must contain
 def test_gradient_inside_shard_map_lowers_for_cuda(case):
     op, impl, kernels = CASES[case]
     backend = impl if isinstance(impl, str) else impl[0]
-    mesh = gpu_mesh(jax.make_mesh((N,), ("e",), axis_types=(jax.sharding.AxisType.Explicit,)))
+    mesh = gpu_mesh(jax.make_mesh((N,), ("e",), axis_types=(jax.sharding.AxisType.Explicit,),
+                                  devices=jax.devices("cpu")[:N]))
 
     def loss(x, w, order, sizes, gate, up, down):
         def local(*a):
@@ -102,7 +103,7 @@ def test_expert_parallel_layer_lowers_for_cuda_on_the_kernels(expert_perm, monke
     so ``interpret=None`` is made to resolve to compiled, as on a GPU host (where
     ``shard_map`` keeps its varying-axes check)."""
     cfg = MoEConfig(num_experts=8, top_k=2, d_model=D, d_ff=F, implementation="triton")
-    mesh = gpu_mesh(jax.make_mesh((2, 4), ("data", "expert"),
+    mesh = gpu_mesh(jax.make_mesh((2, 4), ("data", "expert"), devices=jax.devices("cpu")[:8],
                                   axis_types=(jax.sharding.AxisType.Explicit,) * 2))
     f32 = jnp.float32
     params = MoEParams(
