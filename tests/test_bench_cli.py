@@ -59,3 +59,29 @@ def test_bench_out_sets_the_results_path(name, tmp_path, monkeypatch, capfd):
     assert cli.main(["bench", name, "--out", str(out)]) == 0
     assert "paper" in json.loads(out.read_text())
     assert not any((tmp_path / "results").iterdir())
+
+
+def test_kernels_bench_records_a_failing_backend_and_goes_on(tmp_path, monkeypatch):
+    """A backend that fails (here one the registry does not know, as a kernel's first
+    compile on a new GPU might) is listed under "failures" with its error; the other
+    rows are measured and the JSON is written."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kernels_bench", BENCHMARKS / "kernels.py")
+    kernels = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kernels)
+    monkeypatch.setattr(kernels, "available_backends", lambda registry=None: ["broken",
+                                                                              "reference"])
+    out = tmp_path / "kernels.json"
+    monkeypatch.setattr("sys.argv", ["kernels.py", "--shapes", "fine", "--tokens", "16",
+                                     "--loads", "uniform", "--repeats", "1", "--out", str(out)])
+    kernels.main()
+    result = json.loads(out.read_text())
+    assert result["complete"]
+    assert {(r["op"], r["impl"]) for r in result["rows"]} >= {
+        ("ragged_dot", "reference"), ("moe_layer", "reference"), ("route", "reference")}
+    assert not any(r["impl"] == "broken" for r in result["rows"])
+    failed = {(f["op"], f.get("pass")) for f in result["failures"]}
+    assert failed == {("ragged_dot", "fwd"), ("ragged_dot", "fwd_bwd"), ("moe_layer", None),
+                      ("route", None)}
+    assert all("broken" in f["error"] for f in result["failures"])

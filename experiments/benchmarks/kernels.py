@@ -17,7 +17,9 @@ Every row prints TFLOP/s and its ratios: to the dense matmul and to ``lax.ragged
 (route rows: to the router GEMM and to the reference router).
 Targets on H100/H200 (issue 6): grouped GEMM >= 0.85 of dense, MoE layer fwd+bwd
 >= 0.70, >= 1.5x ``lax.ragged_dot``. On a machine without a GPU the JSON says
-``"gpu": "unmeasured"`` and the CPU shapes are scaled down.
+``"gpu": "unmeasured"`` and the CPU shapes are scaled down. A kernel backend that fails
+(compiling or running) is listed under ``"failures"`` and the run goes on; the JSON is
+rewritten after each shape and token count, so a run cut short keeps what it measured.
 
 Usage: aristax bench kernels [--shapes mixtral,fine]
        [--tokens 4096,16384] [--repeats 5]
@@ -78,6 +80,22 @@ def median_seconds(fn, *args, repeats: int) -> float:
     return float(np.median(times))
 
 
+# Backends that failed: {"op", "impl", ..., "error"} each (see ``seconds_or_none``).
+FAILURES: list[dict] = []
+
+
+def seconds_or_none(what: dict, make, *args, repeats: int) -> float | None:
+    """``median_seconds(make(), *args)``, or None with the error added to ``FAILURES``:
+    a kernel's first compile on a new GPU may fail, and the other rows still count."""
+    try:
+        return median_seconds(make(), *args, repeats=repeats)
+    except Exception as err:  # noqa: BLE001 - recorded in the JSON and printed
+        message = f"{type(err).__name__}: {err}"
+        FAILURES.append({**what, "error": message[:4000]})
+        print(f"FAILED {what}: {message[:300]}")
+        return None
+
+
 def available_backends(registry=ragged_dot_api.BACKENDS) -> list[str]:
     """Backends worth timing here: every registered one on GPU, the reference on CPU."""
     if jax.default_backend() == "cpu":
@@ -113,10 +131,15 @@ def grouped_gemm_rows(E, D, F, K, tokens, load, dtype, repeats) -> list[dict]:
     ours = {name: (lambda a, b, n=name: ragged_dot(a, b, sizes, preferred_element_type=acc,
                                                    implementation=n))
             for name in available_backends()}
-    seconds = {}
-    for name, fn in {**peers, **ours}.items():
-        seconds[name] = {"fwd": median_seconds(fwd(fn), lhs, rhs, repeats=repeats),
-                         "fwd_bwd": median_seconds(fwd_bwd(fn), lhs, rhs, repeats=repeats)}
+    seconds = {name: {"fwd": median_seconds(fwd(fn), lhs, rhs, repeats=repeats),
+                      "fwd_bwd": median_seconds(fwd_bwd(fn), lhs, rhs, repeats=repeats)}
+               for name, fn in peers.items()}
+    for name, fn in ours.items():
+        what = dict(op="ragged_dot", impl=name, E=E, tokens=tokens, load=load)
+        seconds[name] = {pass_: seconds_or_none({**what, "pass": pass_},
+                                                lambda wrap=wrap, fn=fn: wrap(fn), lhs, rhs,
+                                                repeats=repeats)
+                         for pass_, wrap in (("fwd", fwd), ("fwd_bwd", fwd_bwd))}
     torch_s = torch_grouped_mm_seconds(lhs, rhs, sizes, repeats)
     if torch_s is not None:
         seconds["torch._grouped_mm"] = {"fwd": torch_s, "fwd_bwd": None}
@@ -143,6 +166,15 @@ def torch_grouped_mm_seconds(lhs, rhs, sizes, repeats) -> float | None:
         return None
     if not torch.cuda.is_available() or not hasattr(torch, "_grouped_mm"):
         return None
+    try:
+        return _torch_grouped_mm_seconds(torch, lhs, rhs, sizes, repeats)
+    except Exception as err:  # noqa: BLE001 - a private op: recorded, not fatal
+        FAILURES.append({"op": "ragged_dot", "impl": "torch._grouped_mm",
+                         "error": f"{type(err).__name__}: {err}"[:4000]})
+        return None
+
+
+def _torch_grouped_mm_seconds(torch, lhs, rhs, sizes, repeats) -> float:
     a = torch.from_numpy(np.asarray(lhs, np.float32)).to("cuda", torch.bfloat16)
     b = torch.from_numpy(np.asarray(rhs, np.float32)).to("cuda", torch.bfloat16)
     offs = torch.from_numpy(np.cumsum(np.asarray(sizes)).astype(np.int32)).cuda()
@@ -189,8 +221,12 @@ def moe_layer_rows(E, D, F, K, tokens, dtype, repeats) -> list[dict]:
         lax_s = median_seconds(step(MoEConfig(**cfg, implementation="reference")), params, x,
                                repeats=repeats)
         for name in available_backends():
-            s = lax_s if name == "reference" else median_seconds(
-                step(MoEConfig(**cfg, implementation=name)), params, x, repeats=repeats)
+            s = lax_s if name == "reference" else seconds_or_none(
+                dict(op="moe_layer", impl=name, E=E, tokens=tokens),
+                lambda n=name: step(MoEConfig(**cfg, implementation=n)), params, x,
+                repeats=repeats)
+            if s is None:
+                continue
             out.append({"op": "moe_layer", "impl": name, "pass": "fwd_bwd", "E": E, "D": D,
                         "F": F, "K": K, "tokens": tokens, "load": "router",
                         "dtype": jnp.dtype(dtype).name, "seconds": s,
@@ -211,11 +247,14 @@ def route_rows(E, D, K, tokens, dtype, repeats) -> list[dict]:
     for name in available_backends(route_api.BACKENDS):
         fn = jax.jit(lambda x, w, n=name: route(x, w, top_k=K, normalize=True,
                                                 implementation=n, interpret=False))
-        seconds[name] = median_seconds(fn, x, w, repeats=repeats)
+        seconds[name] = (median_seconds(fn, x, w, repeats=repeats) if name == "reference"
+                         else seconds_or_none(dict(op="route", impl=name, E=E, tokens=tokens),
+                                              lambda fn=fn: fn, x, w, repeats=repeats))
     return [{"op": "route", "impl": name, "pass": "fwd", "E": E, "D": D, "K": K,
              "tokens": tokens, "load": "router", "dtype": jnp.dtype(dtype).name,
              "seconds": s, "tflops": flops / s / 1e12, "vs_dense": gemm_s / s,
-             "vs_reference": seconds["reference"] / s} for name, s in seconds.items()]
+             "vs_reference": seconds["reference"] / s}
+            for name, s in seconds.items() if s is not None]
 
 
 def main() -> None:
@@ -230,7 +269,19 @@ def main() -> None:
     args = parser.parse_args()
     table = GPU_SHAPES if on_gpu else CPU_SHAPES
     dtype = jnp.dtype(args.dtype)
+    out = Path(args.out or Path(__file__).resolve().parent / "results"
+               / f"kernels_{jax.default_backend()}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
+
+    def write(complete: bool) -> None:
+        result = {"machine": machine_info(),
+                  "shapes": {k: table[k] for k in args.shapes.split(",")},
+                  "gpu": "measured" if on_gpu else "unmeasured (no GPU on this machine; CPU "
+                  "shapes scaled down; Pallas backends not timed in interpret mode)",
+                  "complete": complete, "rows": rows, "failures": FAILURES}
+        out.write_text(json.dumps(result, indent=1))
+
     for shape in args.shapes.split(","):
         E, D, F, K = table[shape]
         for tokens in (int(t) for t in args.tokens.split(",")):
@@ -238,21 +289,16 @@ def main() -> None:
                 rows += grouped_gemm_rows(E, D, F, K, tokens, load, dtype, args.repeats)
             rows += moe_layer_rows(E, D, F, K, tokens, dtype, args.repeats)
             rows += route_rows(E, D, K, tokens, dtype, args.repeats)
+            write(complete=False)
     for r in rows:
         peer = (f"x{r['vs_reference']:.2f} of the reference" if r["op"] == "route" else
                 f"x{r['vs_lax_ragged_dot']:.2f} of lax.ragged_dot")
         print(f"{r['op']:10s} {r['impl']:18s} {r['pass']:7s} E{r['E']:<4d} T{r['tokens']:<6d} "
               f"{r['load']:7s} {r['tflops']:8.3f} TFLOP/s  x{r['vs_dense']:.2f} of dense  "
               + peer)
-    result = {"machine": machine_info(), "shapes": {k: table[k] for k in args.shapes.split(",")},
-              "gpu": "measured" if on_gpu else "unmeasured (no GPU on this machine; CPU "
-              "shapes scaled down; Pallas backends not timed in interpret mode)",
-              "rows": rows}
-    out = Path(args.out or Path(__file__).resolve().parent / "results"
-               / f"kernels_{jax.default_backend()}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
+    write(complete=True)
+    print(f"wrote {out}" + (f"; {len(FAILURES)} backend(s) failed, listed under 'failures'"
+                            if FAILURES else ""))
 
 
 if __name__ == "__main__":
