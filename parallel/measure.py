@@ -44,7 +44,11 @@ LINK_AXIS = "link"
 # Experts per device when ``expert_capacity`` is not given: memory is then no
 # constraint for any model with up to this many experts per device.
 DEFAULT_EXPERT_CAPACITY = 1024
-MATMUL_SIZE = 512  # n of the [n, n] x [n, n] float32 matmul that measures FLOP/s
+# (n, chain) of the FLOP/s probe: ``chain`` dependent [n, n] @ [n, n] products in one
+# program. On a CPU one 1024^3 product takes tens of milliseconds; on a GPU a 512^3 one
+# takes about a microsecond, less than launching it, so there they are larger and chained.
+MATMUL_PROBE = {"cpu": (1024, 1)}
+ACCELERATOR_MATMUL_PROBE = (4096, 8)
 
 Pair = tuple[int, int]
 
@@ -168,18 +172,24 @@ def _link_times(devices, sizes, probes, repeats: int, inner: int) -> np.ndarray:
     return out
 
 
-def _device_flops(devices, repeats: int, n: int = MATMUL_SIZE) -> np.ndarray:
-    """[V] achieved FLOP/s of a float32 [n, n] @ [n, n] matmul (2 n^3 FLOPs) on each
-    of this process's devices; 0 for other processes' devices (see :func:`_gather`)."""
-    mm = jax.jit(lambda a, b: a @ b)
-    rates = np.zeros(len(devices))
-    host = np.random.default_rng(0).standard_normal((n, n)).astype(np.float32)
-    for d, dev in enumerate(devices):
-        if dev.process_index != jax.process_index():
-            continue
-        a = jax.device_put(jnp.asarray(host), dev)
-        rates[d] = 2.0 * n**3 / max(min_time(lambda: mm(a, a), repeats), 1e-12)
-    return rates
+def matmul_flops(device, dtype=jnp.float32, repeats: int = 3) -> float:
+    """Achieved FLOP/s of ``device`` on [n, n] @ [n, n] products of ``dtype`` (2 n^3
+    FLOPs each), ``chain`` dependent ones per program (``MATMUL_PROBE`` by platform,
+    else ``ACCELERATOR_MATMUL_PROBE``); the best of ``repeats`` programs. The products
+    run at JAX's matmul precision, as the model's do."""
+    n, chain = MATMUL_PROBE.get(device.platform, ACCELERATOR_MATMUL_PROBE)
+    a = jax.device_put(jnp.ones((n, n), dtype), device)
+    b = jax.device_put(jnp.full((n, n), 1.0 / n, dtype), device)  # a @ b = a: no overflow
+    program = jax.jit(lambda a, b: jax.lax.fori_loop(0, chain, lambda _, y: y @ b, a))
+    return chain * 2.0 * n**3 / max(min_time(lambda: program(a, b), repeats), 1e-12)
+
+
+def _device_flops(devices, repeats: int) -> np.ndarray:
+    """[V] float32 ``matmul_flops`` of each of this process's devices; 0 for other
+    processes' devices (see :func:`_gather`)."""
+    return np.asarray([matmul_flops(dev, repeats=repeats)
+                       if dev.process_index == jax.process_index() else 0.0
+                       for dev in devices])
 
 
 def _agree(x: np.ndarray) -> np.ndarray:
@@ -227,7 +237,7 @@ def measure_topology(
         ``jax.devices()``); plan indices refer to positions in this list.
       sizes: [S] message sizes in bytes per device (S >= 2 distinct, each >= 1).
       repeats: timed runs per program (the minimum is kept), >= 1.
-      flops: None (measure a float32 matmul rate per device, :data:`MATMUL_SIZE`), a
+      flops: None (measure a float32 matmul rate per device, :func:`matmul_flops`), a
         scalar, or [V] FLOP/s.
       expert_capacity: None (:data:`DEFAULT_EXPERT_CAPACITY`, memory unconstrained),
         a scalar, or [V] experts per device.

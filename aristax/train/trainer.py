@@ -32,6 +32,7 @@ from flax import nnx
 from omegaconf import OmegaConf
 
 from aristax.models.mixtral import Mixtral
+from aristax.parallel.measure import matmul_flops
 from aristax.train import data as data_lib
 from aristax.train.checkpoint import Checkpointer
 from aristax.train.config import ConfigError, TrainConfig, mixtral_config, moe_config
@@ -85,19 +86,6 @@ def flops_per_token(cfg: TrainConfig, vocab_size: int | None = None) -> float:
     vocab = vocab_size or m.vocab_size
     active = m.num_layers * (attn + ffn + m.d_model * m.num_experts) + m.d_model * vocab
     return 6.0 * active + 12.0 * m.num_layers * m.d_model * m.seq_len
-
-
-def measured_peak_flops(dtype) -> float:
-    """FLOP/s of a 1024^3 matmul on the default device (median of 5)."""
-    a = jnp.ones((1024, 1024), dtype)
-    f = jax.jit(lambda a: a @ a)
-    f(a).block_until_ready()
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        f(a).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return 2 * 1024 ** 3 / float(np.median(times))
 
 
 # ------------------------------------------------------------------ set-up
@@ -251,8 +239,8 @@ def train(cfg: TrainConfig, *, log=print) -> RunResult:
                               for _ in range(cfg.eval_batches)]))
 
     writer = MetricsWriter(out_dir, enabled=main, start_step=start_step)
-    peak = measured_peak_flops(jnp.dtype(m.dtype)) * (1 if devices[0].platform == "cpu"
-                                                       else len(devices))
+    peak = matmul_flops(devices[0], jnp.dtype(m.dtype)) * (1 if devices[0].platform == "cpu"
+                                                           else len(devices))
     fpt = flops_per_token(cfg, vocab)
     if main:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -106,3 +106,20 @@ def test_measure_topology_given_flops_capacity_and_errors():
         measure_topology(devices, method="ring")
     with pytest.raises(ValueError, match="flops"):
         measure_topology(devices, flops=[1.0, 2.0, 3.0])
+
+
+def test_matmul_flops_counts_every_product_of_the_chain(monkeypatch):
+    """FLOP/s = chain * 2 n^3 / the best time of one program that chains the products
+    (a @ b with b = 1/n keeps a: the chain's result shows it ran every product)."""
+    from aristax.parallel import measure
+
+    results = []
+
+    def fake_min_time(fn, repeats):
+        results.append(np.asarray(fn()))
+        return 0.25
+
+    monkeypatch.setattr(measure, "min_time", fake_min_time)
+    monkeypatch.setitem(measure.MATMUL_PROBE, "cpu", (64, 5))
+    assert measure.matmul_flops(jax.devices("cpu")[0]) == 5 * 2 * 64**3 / 0.25
+    np.testing.assert_array_equal(results[0], np.ones((64, 64), np.float32))
