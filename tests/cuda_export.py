@@ -7,7 +7,7 @@ that device here (around the export only: inside it ``jit`` would lower for the 
 keeps the lowering tests running on both (``gpu_mesh`` for code in a ``shard_map``).
 
 ``dot_precisions`` reads the precision that a GPU would get for each matrix product
-(the CPU ignores it).
+(the CPU ignores it). ``MOSAIC_INTERPRET`` is how the Mosaic GPU kernel tests run them.
 """
 
 from __future__ import annotations
@@ -19,6 +19,10 @@ from typing import NamedTuple
 import jax
 import jax.extend
 
+# Mosaic GPU kernels run in interpret mode with the race detector on the CPU, compiled
+# on a GPU (the same values checked; the interpreter, which calls JAX from callbacks on
+# the default device, is for the CPU).
+MOSAIC_INTERPRET = jax.default_backend() == "cpu"
 # Exported Triton calls carry no stable custom-call version; the tests only lower them.
 TRITON_CUDA = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
 H100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=132, platform="gpu")

@@ -192,7 +192,7 @@ class MixtralConfig:
         return dataclasses.replace(self, **changes)
 
 
-def matmul_precision(config: MixtralConfig) -> contextlib.AbstractContextManager:
+def matmul_precision_context(config: MixtralConfig) -> contextlib.AbstractContextManager:
     """The context a model of ``config`` computes in: ``jax.default_matmul_precision``
     of ``config.matmul_precision`` for a float32 model, else JAX's current setting."""
     if config.matmul_precision is None or jnp.dtype(config.dtype) != jnp.float32:
@@ -568,7 +568,7 @@ class Mixtral(nnx.Module):
           ``MixtralOutput``.
         Matrix products run at ``config.matmul_precision`` (see ``MixtralConfig``).
         """
-        with matmul_precision(self.config):
+        with matmul_precision_context(self.config):
             return self._run(input_ids, attention_mask, position_ids, cache, decode_weights,
                              last_only)
 

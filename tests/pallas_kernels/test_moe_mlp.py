@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cuda_export import TRITON_CUDA, export_for_cuda
+from cuda_export import MOSAIC_INTERPRET, TRITON_CUDA, export_for_cuda
 from aristax import MoEConfig, MoEParams, moe
 from aristax.pallas_kernels import moe_mlp
 from aristax.pallas_kernels.moe_mlp import (
@@ -64,10 +64,6 @@ COMBOS = {
 # (shape, x dtype) each backend serves, for the tests that need one call
 SERVED = {"triton": (SHAPE, jnp.float32), "mosaic_gpu": (MOSAIC_SHAPE, jnp.bfloat16)}
 UNROUTED = 10_000  # key of an unrouted slot: sorts after every expert
-# Mosaic GPU kernels run in interpret mode with the race detector on the CPU, compiled
-# on a GPU (the same values checked; the interpreter, which calls JAX from callbacks on
-# the default device, is for the CPU)
-INTERPRET = jax.default_backend() == "cpu"
 
 
 def test_mosaic_gpu_gate_up_alone_matches_and_has_no_races():
@@ -82,7 +78,7 @@ def test_mosaic_gpu_gate_up_alone_matches_and_has_no_races():
     gate, up = gate.astype(jnp.bfloat16), up.astype(jnp.bfloat16)
     order, sizes, nv = routings(T, E, K)["num_valid_below_sum"]
     h = mosaic_gpu.gate_up(x, order, nv, sizes, gate, up, activation="swiglu", top_k=K,
-                           tiles=GateUpTiles(block_n=128), interpret=INTERPRET)
+                           tiles=GateUpTiles(block_n=128), interpret=MOSAIC_INTERPRET)
     assert not mg.races_found()
     rows = permute_reference.permute(x, order, nv, top_k=K)
     pre = [ragged_dot_reference.ragged_dot(rows, w, sizes,
@@ -107,7 +103,7 @@ def test_mosaic_gpu_down_combine_alone_matches_numpy():
     down = jnp.asarray(rng.standard_normal((E, F, D)) * 0.3, jnp.bfloat16)
     w = rng.uniform(0.1, 1.0, (T, K)).astype(np.float32)
     y = mosaic_gpu.down_combine(h, down, order, jnp.asarray(w), nv, sizes,
-                                interpret=INTERPRET)
+                                interpret=MOSAIC_INTERPRET)
     assert not mg.races_found()
     h32, down32 = np.asarray(h, np.float32), np.asarray(down, np.float32)
     expert = np.repeat(np.arange(E), sizes)
@@ -116,7 +112,7 @@ def test_mosaic_gpu_down_combine_alone_matches_numpy():
         s = order[m]
         want[s // K] += w.flat[s] * (h32[m] @ down32[expert[m]])
     np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-4)
-    batched = jax.vmap(functools.partial(mosaic_gpu.down_combine, interpret=INTERPRET),
+    batched = jax.vmap(functools.partial(mosaic_gpu.down_combine, interpret=MOSAIC_INTERPRET),
                        in_axes=(0, None, None, None, None, None))(
         jnp.stack([h, 2 * h]), down, order, jnp.asarray(w), nv, sizes)
     # x2 is exact in floating point: the batch's second problem gives exactly 2 y

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cuda_export import TRITON_CUDA, export_for_cuda
+from cuda_export import MOSAIC_INTERPRET, TRITON_CUDA, export_for_cuda
 from aristax import dispatch as dispatch_lib
 from aristax import routing as routing_lib
 from aristax.config import RouterConfig
@@ -33,10 +33,6 @@ TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, at
 
 
 _UNROUTED = 10_000  # key of unrouted slots (sorts after every expert, as key E does)
-# Mosaic GPU kernels run in interpret mode with the race detector on the CPU, compiled
-# on a GPU (the same values checked; the interpreter, which calls JAX from callbacks on
-# the default device, is for the CPU)
-INTERPRET = jax.default_backend() == "cpu"
 
 
 def expert_order(keys: np.ndarray) -> tuple[np.ndarray, int]:
@@ -119,22 +115,23 @@ def test_matches_reference_and_gradients(backend, shape):
 
 
 def test_mosaic_gpu_kernels_have_no_races():
-    """Each Mosaic GPU kernel alone in interpret mode: the race detector keeps only the
+    """Each Mosaic GPU kernel alone (interpreted on the CPU): the race detector keeps only the
     last kernel's state, so the check after the jitted vjps above sees one of five."""
     T, D, K, E, dtype = SHAPES["bf16_d128"]
     x, rows, weights, ct_rows, dy = _data(T, D, K, dtype)
     order, nv = _orders(T, K, E)["unrouted_tokens"]
     order, nv = jnp.asarray(order), jnp.int32(nv)
+    run = dict(interpret=MOSAIC_INTERPRET)
     kernels = {
-        "permute": lambda: mosaic_gpu.permute(x, order, nv, top_k=K, interpret=INTERPRET),
+        "permute": lambda: mosaic_gpu.permute(x, order, nv, top_k=K, **run),
         "permute_bwd": lambda: mosaic_gpu.permute_bwd(ct_rows, order, nv, top_k=K,
-                                                      x_dtype=dtype, interpret=INTERPRET),
-        "combine": lambda: mosaic_gpu.combine(rows, order, weights, nv, interpret=INTERPRET),
+                                                      x_dtype=dtype, **run),
+        "combine": lambda: mosaic_gpu.combine(rows, order, weights, nv, **run),
         "combine_bwd drows": lambda: mosaic_gpu._gather(
-            dy, order, weights, nv, top_k=K, out_dtype=dtype, interpret=INTERPRET,
+            dy, order, weights, nv, top_k=K, out_dtype=dtype, **run,
             tiles=mosaic_gpu.GatherTiles.for_shape(D, mosaic_gpu.ROW_ALIGN)),
         "combine_bwd dweights": lambda: mosaic_gpu.combine_bwd(dy, rows, order, weights, nv,
-                                                               interpret=INTERPRET),
+                                                               **run),
     }
     for name, kernel in kernels.items():
         jax.block_until_ready(kernel())

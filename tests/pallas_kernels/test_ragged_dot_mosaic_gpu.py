@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cuda_export import MOSAIC_INTERPRET
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -24,10 +25,6 @@ TILES = mg.MosaicTiles(
     bwd_block_m=64, bwd_block_k=64, bwd_block_n=64, bwd_max_concurrent_steps=2,
 )
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2, jnp.float16: 2e-3}
-# Mosaic GPU kernels run in interpret mode with the race detector on the CPU, compiled
-# on a GPU (the same values checked; the interpreter, which calls JAX from callbacks on
-# the default device, is for the CPU)
-INTERPRET = jax.default_backend() == "cpu"
 
 
 @pytest.fixture(autouse=True)
@@ -94,7 +91,7 @@ def test_gmm_interpret_matches_ragged_dot(case, in_dtype, out_dtype):
     g, k, n = len(sizes), 64, 128
     lhs, rhs = _inputs(zlib.crc32(case.encode()), m, k, n, g, in_dtype)
     gs = jnp.asarray(sizes, jnp.int32)
-    out = mg.gmm(lhs, rhs, gs, out_dtype=out_dtype, tiles=TILES, interpret=INTERPRET)
+    out = mg.gmm(lhs, rhs, gs, out_dtype=out_dtype, tiles=TILES, interpret=MOSAIC_INTERPRET)
     out = np.asarray(jax.block_until_ready(out).astype(jnp.float32))
     assert not mg.races_found()
     ref = jax.lax.ragged_dot(lhs, rhs, gs, preferred_element_type=jnp.float32)
@@ -115,7 +112,7 @@ def test_tgmm_interpret_matches_numpy_loop(sizes, in_dtype, out_dtype):
     m, g, k, n = 200, len(sizes), 64, 128
     lhs, dout = _inputs(sum(sizes) + sizes[0], m, k, n, g, in_dtype, rhs_rows=m)
     gs = jnp.asarray(sizes, jnp.int32)
-    out = mg.tgmm(lhs, dout, gs, out_dtype=out_dtype, tiles=TILES, interpret=INTERPRET)
+    out = mg.tgmm(lhs, dout, gs, out_dtype=out_dtype, tiles=TILES, interpret=MOSAIC_INTERPRET)
     out = np.asarray(jax.block_until_ready(out).astype(jnp.float32))
     assert not mg.races_found()
     assert out.shape == (g, k, n)
