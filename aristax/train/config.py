@@ -224,14 +224,17 @@ def _with_config_keys(message: str) -> str:
 
 
 def mixtral_config(m: ModelConfig, vocab_size: int | None = None) -> MixtralConfig:
-    """The attention/embedding part of the model as a ``MixtralConfig``."""
+    """The attention/embedding part of the model as a ``MixtralConfig``. Its products
+    run at JAX's matmul precision (``matmul_precision=None``): training follows
+    ``jax_default_matmul_precision`` (TF32 for float32 on a GPU unless set), as the MFU
+    probe does; the model's own default, full float32, is for Hugging Face parity."""
     return MixtralConfig(
         vocab_size=vocab_size or m.vocab_size, hidden_size=m.d_model, intermediate_size=m.d_ff,
         num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
         num_key_value_heads=m.num_kv_heads, num_local_experts=m.num_experts,
         num_experts_per_tok=m.top_k, rope_theta=m.rope_theta,
         max_position_embeddings=m.seq_len, router_aux_loss_coef=m.lb_loss_coef,
-        bos_token_id=None, eos_token_id=None, dtype=m.dtype)
+        bos_token_id=None, eos_token_id=None, dtype=m.dtype, matmul_precision=None)
 
 
 def moe_config(m: ModelConfig, p: ParallelConfig | None = None) -> MoEConfig:

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
+from cuda_export import dot_precisions
+from flax import nnx
 
 from aristax.train import ConfigError, TrainConfig, load_config
 from aristax.train.config import moe_config
+from aristax.train.trainer import build_model
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "experiments" / "configs").glob("*.yaml"))
 
@@ -68,3 +73,16 @@ def test_errors_name_the_key(tmp_path, text, overrides, key):
     path.write_text(text)
     with pytest.raises(ConfigError, match=key):
         load_config(path, overrides)
+
+
+def test_trained_model_follows_jax_matmul_precision():
+    """Training runs at JAX's matmul precision (TF32 for float32 on a GPU unless set,
+    as the MFU probe does), not at the full float32 that a loaded Mixtral keeps for
+    Hugging Face parity: only routing and the K-way combine stay at HIGHEST."""
+    cfg = load_config(next(p for p in CONFIGS if p.stem == "tiny"))
+    assert cfg.model.dtype == "float32"
+    graphdef, state = nnx.split(build_model(cfg, 64, mesh=None, plan=None))
+    with jax.default_matmul_precision("tensorfloat32"):
+        found = dot_precisions(lambda s, ids: nnx.merge(graphdef, s)(ids).logits, state,
+                               jnp.zeros((2, 8), jnp.int32))
+    assert {p.precision for p in found} == {("HIGH", "HIGH"), ("HIGHEST", "HIGHEST")}, found
