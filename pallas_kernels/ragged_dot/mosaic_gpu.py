@@ -190,13 +190,10 @@ class MosaicTiles:
         )
         sizes = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
         for bwd, field in ((False, "max_concurrent_steps"), (True, "bwd_max_concurrent_steps")):
-            def smem(tiles, bwd=bwd):
-                return tiles.smem_bytes(*sizes, bwd=bwd,
-                                        out_tile_with_pipeline=out_tile_with_pipeline and not bwd)
-
-            while smem(tiles) > SMEM_BYTES:
+            kw = dict(bwd=bwd, out_tile_with_pipeline=out_tile_with_pipeline and not bwd)
+            while tiles.smem_bytes(*sizes, **kw) > SMEM_BYTES:
                 if getattr(tiles, field) == 1:
-                    raise ValueError(f"{tiles} need {smem(tiles)} "
+                    raise ValueError(f"{tiles} need {tiles.smem_bytes(*sizes, **kw)} "
                                      f"bytes of SMEM > {SMEM_BYTES} at one pipeline step")
                 tiles = dataclasses.replace(tiles, **{field: getattr(tiles, field) - 1})
         return tiles
