@@ -184,10 +184,14 @@ class MoEConfig:
         runs in float32; GEMMs accumulate in float32.
       param_dtype: dtype of the parameters.
       implementation: backend name or ordered list of names for
-        ``aristax.pallas_kernels`` ops (None: the best available, falling back to the
-        reference).
-      debug_checks: raise when router logits are not finite (otherwise such tokens are
-        routed nowhere and counted in ``aux["nonfinite_tokens"]``).
+        ``aristax.pallas_kernels`` ops, each falling back to the reference where none
+        serves. None: the plain router, dispatch and combine, and the grouped GEMMs on
+        ``ragged_dot``'s platform default (Mosaic GPU, Triton, then the reference on a
+        GPU); the fused ``route`` and ``moe_mlp`` run only when a kernel is named.
+      debug_checks: the ``MoE`` layer raises (after the call, outside ``jit``) when some
+        router logits are not finite. Otherwise, and always in the functional ``moe``,
+        ``chunked_moe`` and ``expert_parallel_moe``, such tokens are routed nowhere and
+        counted in ``aux["nonfinite_tokens"]``.
       num_chunks: Lancet overlap: split the tokens into this many chunks so one chunk's
         all-to-all can overlap another's experts; capacity is carried across chunks, so
         the result equals ``num_chunks=1`` (``aristax.parallel.overlap``). None: the

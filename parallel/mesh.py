@@ -172,8 +172,13 @@ def logical_slots(perm: Sequence[int], num_experts: int) -> np.ndarray:
 
 
 def inverse_permutation(perm: Sequence[int]) -> np.ndarray:
-    """int32[E]: ``inv[e]`` = physical slot of logical expert e."""
+    """int32[E]: ``inv[e]`` = physical slot of logical expert e, for ``perm`` a
+    permutation of range(E) (one slot per expert; see ``logical_slots`` for layouts
+    with replicas or empty slots)."""
     perm = np.asarray(perm)
+    if not np.array_equal(np.sort(perm), np.arange(perm.size)):
+        raise ValueError(f"perm={perm.tolist()} is not a permutation of range({perm.size}); "
+                         "for replicated experts or empty slots use logical_slots")
     inv = np.empty_like(perm, dtype=np.int32)
     inv[perm] = np.arange(perm.size, dtype=np.int32)
     return inv

@@ -216,7 +216,9 @@ def check_token_ids(input_ids, vocab_size: int) -> None:
 def rms_norm(x: jax.Array, weight_d: jax.Array, eps: float) -> jax.Array:
     """weight * x / sqrt(mean(x^2) + eps), statistics in float32 (HF MixtralRMSNorm).
 
-    x: [..., D]; weight_d: [D]. Returns [..., D] in the promoted dtype of x and weight.
+    x: [..., D]; weight_d: [D], cast to x's dtype. Returns [..., D] in x's dtype (HF
+    multiplies in the promoted dtype; the two agree where, as in ``Mixtral``, the
+    weight and x share a dtype).
     """
     x32 = x.astype(jnp.float32)
     var = jnp.mean(x32 * x32, axis=-1, keepdims=True)

@@ -57,6 +57,8 @@ def test_expert_permutation_follows_placement():
         held = {e for e, devs in enumerate(plan.placement[0]) if dev in devs}
         assert set(perm[i * El:(i + 1) * El].tolist()) == held
     np.testing.assert_array_equal(inverse_permutation(perm)[perm], np.arange(16))
+    with pytest.raises(ValueError, match="not a permutation.*logical_slots"):
+        inverse_permutation([2, -1, 0, 1])  # an empty slot: expert 3 has none
 
 
 def test_expert_permutation_rejects_replicas_without_opt_in():
