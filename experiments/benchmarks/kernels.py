@@ -80,15 +80,15 @@ def median_seconds(fn, *args, repeats: int) -> float:
     return float(np.median(times))
 
 
-# Backends that failed: {"op", "impl", ..., "error"} each (see ``seconds_or_none``).
+# Backends that failed: {"op", "impl", ..., "error"} each (see ``or_failure``).
 FAILURES: list[dict] = []
 
 
-def seconds_or_none(what: dict, make, *args, repeats: int) -> float | None:
-    """``median_seconds(make(), *args)``, or None with the error added to ``FAILURES``:
-    a kernel's first compile on a new GPU may fail, and the other rows still count."""
+def or_failure(what: dict, seconds) -> float | None:
+    """``seconds()``, or None with the error added to ``FAILURES``: a kernel's first
+    compile on a new GPU may fail, and the other rows still count."""
     try:
-        return median_seconds(make(), *args, repeats=repeats)
+        return seconds()
     except Exception as err:  # noqa: BLE001 - recorded in the JSON and printed
         message = f"{type(err).__name__}: {err}"
         FAILURES.append({**what, "error": message[:4000]})
@@ -136,9 +136,8 @@ def grouped_gemm_rows(E, D, F, K, tokens, load, dtype, repeats) -> list[dict]:
                for name, fn in peers.items()}
     for name, fn in ours.items():
         what = dict(op="ragged_dot", impl=name, E=E, tokens=tokens, load=load)
-        seconds[name] = {pass_: seconds_or_none({**what, "pass": pass_},
-                                                lambda wrap=wrap, fn=fn: wrap(fn), lhs, rhs,
-                                                repeats=repeats)
+        seconds[name] = {pass_: or_failure({**what, "pass": pass_}, lambda wrap=wrap, fn=fn:
+                                           median_seconds(wrap(fn), lhs, rhs, repeats=repeats))
                          for pass_, wrap in (("fwd", fwd), ("fwd_bwd", fwd_bwd))}
     torch_s = torch_grouped_mm_seconds(lhs, rhs, sizes, repeats)
     if torch_s is not None:
@@ -166,12 +165,8 @@ def torch_grouped_mm_seconds(lhs, rhs, sizes, repeats) -> float | None:
         return None
     if not torch.cuda.is_available() or not hasattr(torch, "_grouped_mm"):
         return None
-    try:
-        return _torch_grouped_mm_seconds(torch, lhs, rhs, sizes, repeats)
-    except Exception as err:  # noqa: BLE001 - a private op: recorded, not fatal
-        FAILURES.append({"op": "ragged_dot", "impl": "torch._grouped_mm",
-                         "error": f"{type(err).__name__}: {err}"[:4000]})
-        return None
+    return or_failure({"op": "ragged_dot", "impl": "torch._grouped_mm"},  # a private op
+                      lambda: _torch_grouped_mm_seconds(torch, lhs, rhs, sizes, repeats))
 
 
 def _torch_grouped_mm_seconds(torch, lhs, rhs, sizes, repeats) -> float:
@@ -221,10 +216,10 @@ def moe_layer_rows(E, D, F, K, tokens, dtype, repeats) -> list[dict]:
         lax_s = median_seconds(step(MoEConfig(**cfg, implementation="reference")), params, x,
                                repeats=repeats)
         for name in available_backends():
-            s = lax_s if name == "reference" else seconds_or_none(
+            s = lax_s if name == "reference" else or_failure(
                 dict(op="moe_layer", impl=name, E=E, tokens=tokens),
-                lambda n=name: step(MoEConfig(**cfg, implementation=n)), params, x,
-                repeats=repeats)
+                lambda n=name: median_seconds(step(MoEConfig(**cfg, implementation=n)),
+                                              params, x, repeats=repeats))
             if s is None:
                 continue
             out.append({"op": "moe_layer", "impl": name, "pass": "fwd_bwd", "E": E, "D": D,
@@ -248,8 +243,8 @@ def route_rows(E, D, K, tokens, dtype, repeats) -> list[dict]:
         fn = jax.jit(lambda x, w, n=name: route(x, w, top_k=K, normalize=True,
                                                 implementation=n, interpret=False))
         seconds[name] = (median_seconds(fn, x, w, repeats=repeats) if name == "reference"
-                         else seconds_or_none(dict(op="route", impl=name, E=E, tokens=tokens),
-                                              lambda fn=fn: fn, x, w, repeats=repeats))
+                         else or_failure(dict(op="route", impl=name, E=E, tokens=tokens),
+                                         lambda fn=fn: median_seconds(fn, x, w, repeats=repeats)))
     return [{"op": "route", "impl": name, "pass": "fwd", "E": E, "D": D, "K": K,
              "tokens": tokens, "load": "router", "dtype": jnp.dtype(dtype).name,
              "seconds": s, "tflops": flops / s / 1e12, "vs_dense": gemm_s / s,
