@@ -117,14 +117,18 @@ def _top_k(select: jax.Array, cols: jax.Array, top_k: int) -> list[jax.Array]:
 
     Round k takes the row max over the columns not taken yet and the smallest such
     column holding it (so K distinct experts, also among -inf scores, e.g. a -inf
-    bias; ties resolve as in ``jax.lax.top_k``).
+    bias; ties resolve as in ``jax.lax.top_k``). As there, NaN (a NaN bias) ranks
+    above every number, so a pick is always a real column.
     """
     picks, ep = [], select.shape[1]
+    number, nan = select == select, select != select  # no bool negation in Mosaic GPU
     taken = jnp.zeros(select.shape, jnp.float32)
     for _ in range(top_k):
         free = taken == 0.0
-        best = _per_row(jnp.max(jnp.where(free, select, -jnp.inf), axis=1), ep)
+        best = _per_row(jnp.max(jnp.where(free & number, select, -jnp.inf), axis=1), ep)
         idx = jnp.min(jnp.where(free & (select == best), cols, ep), axis=1)
+        idx_nan = jnp.min(jnp.where(free & nan, cols, ep), axis=1)
+        idx = jnp.where(idx_nan < ep, idx_nan, idx)
         picks.append(idx)
         taken = jnp.where(cols == _per_row(idx, ep), 1.0, taken)
     return picks

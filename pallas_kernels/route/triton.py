@@ -106,14 +106,18 @@ def _top_k_tile(select: jax.Array, cols: jax.Array, top_k: int) -> list[jax.Arra
 
     Round k takes the row max over the columns not taken yet and the smallest such
     column holding it (so K distinct experts, also among -inf scores, e.g. a -inf
-    bias; ties resolve as in ``jax.lax.top_k``).
+    bias; ties resolve as in ``jax.lax.top_k``). As there, NaN (a NaN bias) ranks
+    above every number, so a pick is always a real column.
     """
     picks = []
     ep = cols.shape[0]
+    nan = select != select
     taken = jnp.zeros(select.shape, jnp.bool_)
     for _ in range(top_k):
-        best = jnp.max(jnp.where(taken, -jnp.inf, select), axis=1, keepdims=True)
+        best = jnp.max(jnp.where(taken | nan, -jnp.inf, select), axis=1, keepdims=True)
         idx = jnp.min(jnp.where(~taken & (select == best), cols[None, :], ep), axis=1)
+        idx_nan = jnp.min(jnp.where(~taken & nan, cols[None, :], ep), axis=1)
+        idx = jnp.where(idx_nan < ep, idx_nan, idx)
         picks.append(idx)
         taken = taken | (cols[None, :] == idx[:, None])
     return picks

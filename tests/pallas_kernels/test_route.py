@@ -119,7 +119,9 @@ def numpy_route(x, w, bias, top_k, score, normalize):
     else:
         s = 1.0 / (1.0 + np.exp(-safe))
     select = s + (0.0 if bias is None else np.asarray(bias, np.float64))
-    ids = np.stack([np.argsort(-row, kind="stable")[:top_k] for row in select])
+    # descending, lowest index first among ties; NaN ranks first, as in jax.lax.top_k
+    ids = np.stack([np.lexsort((-np.where(np.isnan(row), 0.0, row), ~np.isnan(row)))[:top_k]
+                    for row in select])
     weights = np.take_along_axis(s, ids, axis=1)
     if normalize:
         weights /= weights.sum(axis=1, keepdims=True)
@@ -180,11 +182,14 @@ def test_hard_cases(backend):
     zero_bias = np.zeros(E, np.float32)
     two_experts = np.full(E, -100.0, np.float32)
     two_experts[[2, 5]] = 0.0
+    nan_bias = zero_bias.copy()
+    nan_bias[6] = np.nan  # ranks above every score (lax.top_k): expert 6, then the best
     variants = {
         "ties": (x, w, zero_bias),
         "all_equal": (x, np.zeros_like(w), zero_bias),  # every expert ties: ids 0..K-1
         "two_experts_only": (x, w, two_experts),  # six empty experts
         "nan_token": (x_bad, w, zero_bias),  # routed nowhere, sorted last
+        "nan_bias": (x, w, nan_bias),
     }
     for label, (xv, wv, bv) in variants.items():
         out = _check_case(backend, case, jnp.asarray(xv, dtype), jnp.asarray(wv, dtype),
@@ -200,6 +205,9 @@ def test_hard_cases(backend):
             np.testing.assert_array_equal(out.expert_ids, np.tile([0, 1], (T, 1)))
         if label == "two_experts_only":
             np.testing.assert_array_equal(out.counts, [0, 0, T, 0, 0, T, 0, 0])
+        if label == "nan_bias":
+            np.testing.assert_array_equal(out.expert_ids[:, 0], 6)
+            assert (out.expert_ids[:, 1] < E).all()
         if label == "nan_token":
             assert out.counts.sum() == K * (T - 2)
             np.testing.assert_array_equal(out.sort_order[-2 * K:] // K, [4] * K + [T - 1] * K)
