@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any, Sequence
 
 import numpy as np
@@ -410,26 +411,32 @@ def make_plan(
                   partition_overhead=partition_overhead)
     if groups is not None:
         return _make_plan(topology, model, groups, grouping="given", **kwargs)
-    plan = _make_plan(topology, model, lysi_group(topology, model.workload(), policy=policy),
-                      grouping="lysi", **kwargs)
+    lysi_groups = lysi_group(topology, model.workload(), policy=policy)
     if select == "lysi":
-        return plan
+        return _make_plan(topology, model, lysi_groups, grouping="lysi", **kwargs)
     from aristax.planner.simulate import simulate
 
-    best, best_t = plan, simulate(plan, topology, model).iteration
-    times = {"lysi": best_t}
-    for kind in ("single_node", "world", "minimal"):
-        cand_groups = baseline_groups(topology, model.num_experts, kind)
-        if sorted(map(sorted, cand_groups)) == sorted(map(list, plan.groups)):
+    # LysiGroup does not see num_replicas, so its groups may not hold the replicas
+    # (ValueError); then the best grouping that does is kept, and only when none
+    # does is LysiGroup's error raised.
+    best, best_t, times, lysi_error = None, math.inf, {}, None
+    for kind in ("lysi", "single_node", "world", "minimal"):
+        cand_groups = (lysi_groups if kind == "lysi"
+                       else baseline_groups(topology, model.num_experts, kind))
+        if kind != "lysi" and "lysi" in times and (
+                sorted(map(sorted, cand_groups)) == sorted(map(sorted, lysi_groups))):
             times[kind] = times["lysi"]
             continue
         try:
             cand = _make_plan(topology, model, cand_groups, grouping=kind, **kwargs)
-        except ValueError:  # e.g. num_replicas not a multiple of this grouping's sizes
+        except ValueError as error:  # e.g. num_replicas not a multiple of the group sizes
+            lysi_error = error if kind == "lysi" else lysi_error
             continue
         times[kind] = simulate(cand, topology, model).iteration
-        if times[kind] < best_t:
+        if best is None or times[kind] < best_t:
             best, best_t = cand, times[kind]
+    if best is None:
+        raise lysi_error
     meta = dict(best.meta, candidates=times)
     return dataclasses.replace(best, meta=meta)
 

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from aristax.planner import Plan, ModelSpec, make_plan
+from aristax.planner import Plan, ModelSpec, Topology, make_plan
 from aristax.planner.plan import baseline_groups, dispatch_times
 from aristax.planner.topology import dgx_h100, heterogeneous_mix, perlmutter, uniform
 
@@ -56,6 +56,32 @@ def test_skewed_load_and_replicas():
     assert Plan.from_json(rplan.to_json()) == rplan
     with pytest.raises(ValueError, match="multiple of the group size"):
         make_plan(top, dataclasses.replace(rep, num_replicas=20), groups=[list(range(8)), list(range(8, 16))])
+
+
+def test_best_falls_back_when_lysi_groups_cannot_hold_the_replicas():
+    """Two 4-device nodes, 4 slots per device. LysiGroup (blind to num_replicas) picks
+    2-device groups, which cannot hold 12 or 16 slots; the node groups can, and
+    select="best" keeps them where select="lysi" raises."""
+    node = np.repeat([0, 1], 4)
+    same = node[:, None] == node[None, :]
+    alpha, beta = np.where(same, 1e-6, 1e-5), np.where(same, 1e-11, 1e-10)
+    np.fill_diagonal(alpha, 0.0)
+    np.fill_diagonal(beta, 0.0)
+    top = Topology(alpha=alpha, beta=beta, flops=np.full(8, 1e12),
+                   expert_capacity=np.full(8, 4), node=node)
+    for replicas in (12, 16):
+        model = ModelSpec(num_experts=8, top_k=2, d_model=16, d_ff=32, tokens_per_device=512,
+                          num_replicas=replicas,
+                          expert_load=(8, 1, 1, 1, 1, 1, 1, 1))
+        with pytest.raises(ValueError, match="lower num_replicas"):
+            make_plan(top, model, select="lysi")
+        plan = make_plan(top, model)
+        check_plan(plan, top, model)
+        assert sorted(plan.groups) == [(0, 1, 2, 3), (4, 5, 6, 7)]
+        assert "lysi" not in plan.meta["candidates"]
+        assert all(sum(map(len, slots)) == replicas for slots in plan.replicas)
+    with pytest.raises(ValueError, match="num_replicas"):  # no grouping holds 40 slots
+        make_plan(top, dataclasses.replace(model, num_replicas=40))
 
 
 def test_baseline_groups():
