@@ -138,8 +138,12 @@ def replicate_experts(load, num_replicas: int, num_gpus: int, *, num_nodes: int 
         node_of_group = balanced_packing(group_load, num_nodes, improve=improve)
         per_gpu_lists = []
         for node in range(num_nodes):
+            # a node's groups heaviest first (EPLB's rank in pack): the order in which
+            # ties go to lower positions below
+            here = np.flatnonzero(node_of_group == node)
+            here = here[np.argsort(-group_load[here], kind="stable")]
             experts = np.concatenate([np.arange(g * group_size, (g + 1) * group_size)
-                                      for g in np.flatnonzero(node_of_group == node)])
+                                      for g in here])
             c = replicate_counts(load[experts], num_replicas // num_nodes)
             counts[experts] = c
             per_gpu_lists += _pack_slots(experts, load, counts, num_gpus // num_nodes, improve)
