@@ -384,3 +384,37 @@ def test_fused_routing_leaves_what_the_kernel_does_not_do_to_the_plain_path():
                 base.replace(router="sigmoid", num_groups=4, topk_groups=2)):
         assert fused_routing(x, w, cfg, None) is None, cfg
     assert fused_routing(x, w, base, None) is not None
+
+
+@pytest.mark.cpu_backend  # the 8 host devices as JAX's default
+@pytest.mark.parametrize("capacity_factor", [None, 0.75])
+def test_data_parallel_on_an_explicit_mesh_equals_one_device(capacity_factor):
+    """Tokens sharded over a mesh with Explicit axes (``jax.make_mesh``'s default, under
+    ``jax.set_mesh``): the single-device layer runs there (sort and gather have no
+    sharding rule on Explicit axes) and gives the reference's outputs, drops and
+    gradients; y keeps x's row sharding."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    cfg = MoEConfig(num_experts=4, top_k=2, d_model=8, d_ff=16,
+                    capacity_factor=capacity_factor)
+    module = make(cfg)
+    x = jax.random.normal(jax.random.key(5), (40, 8))
+    y_ref, aux_ref, pl = check_against_reference(cfg, x, module)
+    if capacity_factor is not None:
+        assert pl["dropped"] > 0
+
+    def loss(x, params):
+        y, aux = moe(x, params, cfg)
+        return jnp.sum(jnp.sin(y)) + aux["loss"], aux
+
+    grads_ref = jax.grad(loss, argnums=(0, 1), has_aux=True)(x, module.params())[0]
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+        y, aux = jax.jit(lambda x, p: moe(x, p, cfg))(xs, module.params())
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))(xs, module.params())[0]
+    assert y.sharding.spec[0] == "data"
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6)
+    assert int(aux["num_dropped"]) == pl["dropped"]
+    np.testing.assert_array_equal(aux["expert_load"], pl["load"])
+    chex.assert_trees_all_close(grads, grads_ref, rtol=1e-5, atol=1e-6)

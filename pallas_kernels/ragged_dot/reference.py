@@ -47,7 +47,7 @@ def ragged_dot(
     (``jax.sharding.auto_axes``); the result keeps lhs's row sharding.
     """
     op = functools.partial(_lax_ragged_dot, preferred_element_type=preferred_element_type)
-    mesh = _explicit_mesh(lhs, rhs, group_sizes)
+    mesh = explicit_mesh(lhs, rhs, group_sizes)
     if mesh is None:
         return op(lhs, rhs, group_sizes)
     explicit = tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types)
@@ -75,7 +75,7 @@ def _lax_ragged_dot(lhs, rhs, group_sizes, preferred_element_type):
             f"loop with jax.lax.map ({err})") from None
 
 
-def _explicit_mesh(*arrays):
+def explicit_mesh(*arrays):
     """The abstract mesh with Explicit axes that some input is typed on, else None."""
     for a in arrays:
         mesh = jax.typeof(a).sharding.mesh
