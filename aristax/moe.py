@@ -9,7 +9,6 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from aristax import dispatch as dispatch_lib
@@ -20,8 +19,8 @@ from aristax.pallas_kernels import frontdoor
 from aristax.pallas_kernels.moe_mlp import fused_backend, moe_mlp
 from aristax.pallas_kernels.permute import api as permute_api
 from aristax.pallas_kernels.permute.reference import inverse_order
-from aristax.pallas_kernels.ragged_dot.reference import explicit_mesh
 from aristax.pallas_kernels.route import api as route_api
+from aristax.sharding import on_auto_axes
 
 
 @flax.struct.dataclass
@@ -168,25 +167,20 @@ def moe(
       ValueError: x, params, bias or seq_len do not fit ``config`` (``check_inputs``).
     """
     check_inputs(x, params, config, bias=bias, seq_len=seq_len)
-    mesh = explicit_mesh(*jax.tree.leaves((x, params, bias)))
-    if mesh is None:
-        return _moe(x, params, config, bias, jitter_rng, seq_len)
-    # Typed on a mesh with Explicit axes (plain data parallelism under jax.set_mesh):
-    # sort and gather have no sharding rule there, so the layer runs with those axes
-    # Auto; y and the router logits keep x's row sharding.
+    # Tokens typed on a mesh with Explicit axes (plain data parallelism under
+    # jax.set_mesh): sort and gather have no sharding rule there, so the layer runs with
+    # those axes Auto; y and the router logits keep x's row sharding.
     def layer(x, params, bias, jitter_rng):
         return _moe(x, params, config, bias, jitter_rng, seq_len)
 
-    args = (x, params, bias, jitter_rng)
-    spec = jax.typeof(x).sharding.spec
-    row = P(spec[0] if spec else None, None)
-    shapes = jax.eval_shape(layer, *jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args))
-    out_specs = jax.tree.map(lambda s: row if s.ndim == 2 else P(), shapes)  # [T, .]
-    explicit = tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types)
-                     if t == AxisType.Explicit)
-    with jax.sharding.use_abstract_mesh(mesh):
-        return jax.sharding.auto_axes(layer, axes=explicit, out_sharding=out_specs)(*args)
+    def rows_like_x(mesh):
+        spec = jax.typeof(x).sharding.spec
+        row = P(spec[0] if spec else None, None)
+        shapes = jax.eval_shape(layer, *jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (x, params, bias, jitter_rng)))
+        return jax.tree.map(lambda s: row if s.ndim == 2 else P(), shapes)  # [T, .]
+
+    return on_auto_axes(layer, x, params, bias, jitter_rng, out_sharding=rows_like_x)
 
 
 def _moe(x, params, config, bias, jitter_rng, seq_len):

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import jax
 from flax import nnx
+from jax.sharding import AxisType
 
 EXPERT_AXIS = "expert"
 DATA_AXIS = "data"
@@ -50,3 +51,28 @@ def sharded_param(
 def param_partition_specs(module: nnx.Module) -> dict:
     """Nested dict (module attribute paths) of the ``PartitionSpec`` of every parameter."""
     return nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(module, nnx.Param)))
+
+
+def explicit_mesh(*arrays):
+    """The abstract mesh with Explicit axes that some input is typed on, else None."""
+    for a in arrays:
+        mesh = jax.typeof(a).sharding.mesh
+        if not mesh.empty and AxisType.Explicit in mesh.axis_types:
+            return mesh
+    return None
+
+
+def on_auto_axes(fn: Callable, *args, out_sharding):
+    """``fn(*args)``; where some array of ``args`` is typed on a mesh with Explicit axes
+    (e.g. made under ``jax.set_mesh``), with those axes made Auto
+    (``jax.sharding.auto_axes``), for ops that have no sharding rule on Explicit axes
+    (sort, gather, ``ragged_dot``). ``out_sharding``: PartitionSpecs of the outputs
+    there, or a function of the mesh that returns them."""
+    mesh = explicit_mesh(*jax.tree.leaves(args))
+    if mesh is None:
+        return fn(*args)
+    if callable(out_sharding):
+        out_sharding = out_sharding(mesh)
+    axes = tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.sharding.auto_axes(fn, axes=axes, out_sharding=out_sharding)(*args)

@@ -20,9 +20,10 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
+from jax.sharding import PartitionSpec as P
 
 from aristax.moe import MoEParams
-from aristax.sharding import DATA_AXIS, EXPERT_AXIS
+from aristax.sharding import DATA_AXIS, EXPERT_AXIS, on_auto_axes
 
 MESH_AXES = (DATA_AXIS, EXPERT_AXIS)
 HIERARCHICAL_AXES = (DATA_AXIS, "node", "local")
@@ -190,9 +191,14 @@ def layout_expert_weights(w, perm: Sequence[int], *, inverse: bool = False):
     (``EMPTY_SLOT``: zeros); back to logical order, a replicated expert is read from
     its first slot."""
     perm = np.asarray(perm, dtype=np.int32)
+    # a gather along a dimension sharded over Explicit axes (after nnx.jit on a mesh
+    # from a plan) needs those axes Auto; the result is replicated
+    def gather(w, rows):
+        return on_auto_axes(lambda w: w[rows], w, out_sharding=P())
+
     if inverse:
-        return w[logical_slots(perm, int(perm.max()) + 1)]
-    out = w[np.maximum(perm, 0)]
+        return gather(w, logical_slots(perm, int(perm.max()) + 1))
+    out = gather(w, np.maximum(perm, 0))
     empty = perm == EMPTY_SLOT
     if empty.any():
         out = out * (~empty).astype(out.dtype).reshape((-1,) + (1,) * (out.ndim - 1))

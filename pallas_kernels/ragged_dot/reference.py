@@ -13,7 +13,9 @@ from __future__ import annotations
 import functools
 
 import jax
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
+
+from aristax.sharding import on_auto_axes
 
 
 def check(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_dtype, *,
@@ -47,16 +49,12 @@ def ragged_dot(
     (``jax.sharding.auto_axes``); the result keeps lhs's row sharding.
     """
     op = functools.partial(_lax_ragged_dot, preferred_element_type=preferred_element_type)
-    mesh = explicit_mesh(lhs, rhs, group_sizes)
-    if mesh is None:
-        return op(lhs, rhs, group_sizes)
-    explicit = tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types)
-                     if t == AxisType.Explicit)
-    lhs_sharding = jax.typeof(lhs).sharding
-    row = lhs_sharding.spec[0] if not lhs_sharding.mesh.empty and lhs_sharding.spec else None
-    with jax.sharding.use_abstract_mesh(mesh):
-        return jax.sharding.auto_axes(op, axes=explicit, out_sharding=P(row, None))(
-            lhs, rhs, group_sizes)
+
+    def rows_like_lhs(mesh):
+        lhs_sharding = jax.typeof(lhs).sharding
+        return P(lhs_sharding.spec[0] if lhs_sharding.spec else None, None)
+
+    return on_auto_axes(op, lhs, rhs, group_sizes, out_sharding=rows_like_lhs)
 
 
 def _lax_ragged_dot(lhs, rhs, group_sizes, preferred_element_type):
@@ -73,15 +71,6 @@ def _lax_ragged_dot(lhs, rhs, group_sizes, preferred_element_type):
             "weights (jax.lax.ragged_dot has no batching rule for that): give the MoE "
             "layer all tokens at once (x [..., D] is flattened, e.g. [batch, seq, D]), or "
             f"loop with jax.lax.map ({err})") from None
-
-
-def explicit_mesh(*arrays):
-    """The abstract mesh with Explicit axes that some input is typed on, else None."""
-    for a in arrays:
-        mesh = jax.typeof(a).sharding.mesh
-        if not mesh.empty and AxisType.Explicit in mesh.axis_types:
-            return mesh
-    return None
 
 
 def gmm(lhs, rhs, group_sizes, *, out_dtype, tiles=None, interpret=False) -> jax.Array:
