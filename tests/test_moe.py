@@ -418,3 +418,32 @@ def test_data_parallel_on_an_explicit_mesh_equals_one_device(capacity_factor):
     assert int(aux["num_dropped"]) == pl["dropped"]
     np.testing.assert_array_equal(aux["expert_load"], pl["load"])
     chex.assert_trees_all_close(grads, grads_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_capacity_drops_skip_the_nan_token():
+    """A NaN token is routed nowhere: its K slots are neither routed nor dropped, so
+    num_dropped (and the dropped fraction) equal the reference's count over the finite
+    tokens."""
+    cfg = MoEConfig(num_experts=4, top_k=2, d_model=8, d_ff=16, normalize_weights=True,
+                    capacity_factor=0.75)
+    x = jax.random.normal(jax.random.key(3), (15, 8)).at[4, 2].set(jnp.nan)
+    _, aux, pl = check_against_reference(cfg, x)
+    assert pl["routed"] == cfg.top_k * 14 and pl["dropped"] > 0
+    assert int(aux["num_dropped"]) == pl["dropped"]
+
+
+def test_probability_policy_ranks_by_the_largest_weight_not_slot_0():
+    """With a selection bias the sigmoid router's slot 0 is the best biased score, not
+    the largest weight: batch prioritized routing must rank tokens by max(weights)."""
+    cfg = MoEConfig(num_experts=4, top_k=2, d_model=8, d_ff=16, router="sigmoid",
+                    capacity_factor=0.5, drop_policy="probability", bias_update_rate=0.1)
+    module = make(cfg, seed=4)
+    bias = jnp.asarray([0.3, -0.2, 0.1, -0.3], jnp.float32)
+    module.router.balance_bias_e[...] = bias
+    x = jax.random.normal(jax.random.key(4), (21, 8))
+    _, _, pl = check_against_reference(cfg, x, module=module, bias=bias)
+    assert pl["dropped"] > 0
+    # guard: slot 0 is not the largest weight for some tokens
+    logits = np.asarray(x, np.float64) @ np.asarray(module.router.weight_de[...], np.float64)
+    w = ref.weights_np(logits, pl["ids"], cfg)
+    assert sum(row[0] < max(row) for row in w) > 0

@@ -343,3 +343,33 @@ def test_wrong_input_width_is_rejected_before_jit():
     module = MoE(MoEConfig(num_experts=4, top_k=2, d_model=8, d_ff=8), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="d_model=8"):
         module(jnp.ones((3, 7)))
+
+
+@pytest.mark.parametrize("router", ["softmax_topk", "sigmoid"])
+def test_load_balancing_loss_over_nonfinite_logit_rows(router):
+    """route + load_balancing_loss on logits with an inf row and a NaN row: the value is
+    Switch eq. 4 over the good tokens with T counting all tokens (f_e = good
+    assignments to e / T, P_e = sum of good probs / T), and jax.grad w.r.t. the logits
+    is finite, zero on the bad rows."""
+    T, E, K = 10, 4, 2
+    logits = _logits(T, E, seed=11).at[3, 1].set(jnp.inf).at[7, 2].set(jnp.nan)
+    cfg = MoEConfig(num_experts=E, top_k=K, d_model=4, d_ff=4, router=router)
+
+    def loss(lg):
+        return load_balancing_loss(route(lg, cfg.router_config))
+
+    value, grad = jax.value_and_grad(loss)(logits)
+    good = np.setdiff1d(np.arange(T), [3, 7])
+    lg = np.asarray(logits, np.float64)[good]
+    if router == "sigmoid":
+        p = 1 / (1 + np.exp(-lg))
+        p = p / p.sum(-1, keepdims=True)  # normalised scores
+    else:
+        p = np.exp(lg - lg.max(-1, keepdims=True))
+        p = p / p.sum(-1, keepdims=True)
+    counts = np.bincount(np.argsort(-p, axis=1)[:, :K].ravel(), minlength=E)
+    expected = E * np.sum(counts / T * p.sum(0) / T)
+    np.testing.assert_allclose(float(value), expected, rtol=1e-5)
+    grad = np.asarray(grad)
+    assert np.isfinite(grad).all()
+    assert (grad[[3, 7]] == 0).all() and np.abs(grad[good]).max() > 0

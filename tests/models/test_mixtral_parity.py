@@ -230,3 +230,27 @@ def test_load_balancing_loss_matches_hf_function(top_k, with_mask):
     ours = load_balancing_loss([jnp.asarray(x.numpy()) for x in layers], 6, top_k,
                                jnp.asarray(mask.numpy()) if with_mask else None)
     np.testing.assert_allclose(float(ours), float(ref), rtol=1e-6)
+
+
+def test_cached_multi_token_call_without_position_ids_matches_full_forward(small_pair):
+    """Prefill 5 tokens into a KVCache, then feed 3 more in one call with no
+    position_ids: positions default to ``cache.index + arange(S)`` (5, 6, 7), so the
+    logits equal the uncached forward of all 8 tokens (and Hugging Face's)."""
+    from aristax.models.mixtral import KVCache
+    model = small_pair.ours
+    ids = np.random.default_rng(11).integers(0, model.config.vocab_size, size=(2, 8))
+    graphdef, state = nnx.split(model)
+
+    @jax.jit  # one program per call shape (op-by-op eager calls take ~25 s)
+    def cached(state, ids, cache):
+        out = nnx.merge(graphdef, state)(ids, cache=cache)
+        return out.logits, out.cache
+
+    first, cache = cached(state, jnp.asarray(ids[:, :5]), KVCache.init(model.config, 2, 8))
+    second, cache = cached(state, jnp.asarray(ids[:, 5:]), cache)
+    assert int(cache.index) == 8
+    got = np.concatenate([np.asarray(first), np.asarray(second)], axis=1)
+    np.testing.assert_allclose(got, np.asarray(forward(model, jnp.asarray(ids)).logits),
+                               rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(got, hf_logits(small_pair.hf, ids).logits.numpy(),
+                               rtol=RTOL, atol=ATOL)

@@ -206,6 +206,14 @@ def test_inference_time_colocated_table2():
     assert t == pytest.approx(11)
 
 
+def test_inference_time_colocated_waits_for_the_slower_gate_of_b():
+    # b's gate (5) outlasts a's first all-to-all (2): a's FFN starts after it.
+    # E_Fa = max(5,2)+4 = 9; E_Nb = max(5,3) = 5; E_Fb = 9+1 = 10; E_Ca = 9+2 = 11;
+    # E_Aa = max(10,11)+1 = 12; E_Cb = 11+1 = 12; E_Ab = 12+1 = 13; + G^a (1) = 14
+    t = aurora.inference_time_colocated(2.0, 3.0, 2.0, 1.0, gate=(1, 5), ffn=(4, 1), agg=(1, 1))
+    assert t == pytest.approx(14)
+
+
 def test_inference_time_front_exclusive_by_hand():
     d = np.array([[0, 4, 0], [1, 0, 1], [0, 2, 0]], float)
     # homogeneous: eq. 3 = |G| + max(row, col sums) + max F + the same for D^T + |A|

@@ -178,3 +178,20 @@ def test_partition_errors():
     for t in (-1.0, float("nan")):
         with pytest.raises(ValueError, match="time"):
             Instr("w", "wgrad", t)
+
+
+def test_equal_times_keep_the_fewest_partitions():
+    # one compute op: k pieces of 1/k run back to back on the compute stream, so every
+    # k takes 1.0; the tie goes to k = 1
+    plan = plan_partitions([Op("a", compute=1.0)], 4)
+    assert plan.ranges == ((0, 1, 1),) and plan.time == 1.0
+
+
+def test_best_fit_ties_in_program_order_and_overlap_capped_by_the_a2a():
+    # |1 - 1| ties: the first wgrad in program order fills the a2a, then t_u = 0 stops
+    s = schedule_weight_gradients([Instr("a", "a2a", 1.0), Instr("w1", "wgrad", 1.0),
+                                   Instr("w2", "wgrad", 1.0)])
+    assert s.assignment == {"w1": "a"}
+    # a wgrad longer than the a2a hides all of it, not more
+    s = schedule_weight_gradients([Instr("a", "a2a", 1.0), Instr("w", "wgrad", 1.5)])
+    assert s.assignment == {"w": "a"} and s.overlapped == {"a": 1.0}

@@ -160,6 +160,27 @@ def test_matches_edge_by_edge_reference(seed, v, experts, policy, training):
     assert got == lysi_group(top, wl, policy=policy)  # chunking does not change the answer
 
 
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("policy", POLICIES)
+def test_asymmetric_topology_matches_edge_by_edge_reference(seed, policy):
+    """alpha[i, j] != alpha[j, i]: merging must add each member's sends to the other
+    group (alpha[member, others]), not its receives."""
+    rng = np.random.default_rng(seed)
+    v = 9
+    a = rng.uniform(1e-6, 5e-5, (v, v))
+    a = np.tril(a) + 0.01 * np.triu(a, 1)  # j -> i costs 100x i -> j for i < j
+    b = rng.uniform(1e-12, 1e-10, (v, v))
+    np.fill_diagonal(a, 0)
+    np.fill_diagonal(b, 0)
+    top = Topology(a, b, rng.uniform(5e13, 3e14, v), rng.integers(1, 9, v), symmetric=False)
+    assert not np.allclose(top.alpha, top.alpha.T)
+    wl = Workload(num_experts=min(12, int(top.expert_capacity.sum())), tokens_per_device=2048,
+                  d_model=512, d_ff=1024)
+    got = lysi_group(top, wl, policy=policy, chunk=7)
+    assert got == reference_lysi_group(top, wl, policy)
+    _check_partition(got, top, wl)
+
+
 @pytest.mark.parametrize("experts", [16, 32, 64, 128])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_perlmutter_presets_match_reference(experts, policy):
@@ -282,6 +303,21 @@ def test_assign_exact_cases():
     a = lysi_assign([1.0, 1.0, 1.0], [3, 3, 3], [4.0, 4.0, 4.0, 4.0])
     assert sorted(len(x) for x in a.experts) == [1, 1, 2]
 
+
+
+def test_assign_expert_exactly_filling_the_budget_is_taken():
+    # budgets 8/2 = 4 each. Worker 0: BestFit 3 (expert 0), then budget 1 fits expert 1
+    # exactly (cost == budget fits). Worker 1: 2 (expert 3), then 2 (expert 2) = 4.
+    a = lysi_assign([1.0, 1.0], [2, 2], [3.0, 1.0, 2.0, 2.0], improve=False)
+    assert a.experts == ((0, 1), (2, 3))
+
+
+def test_assign_wraparound_ties_go_to_the_earlier_worker():
+    # budgets 16/3: each worker takes one 4 (largest id first: 3, 2, 1); expert 0 is
+    # left over and finishes at (4 + 4) / 1 = 8 on every worker: the first in the
+    # rotation (worker 0) takes it
+    a = lysi_assign([1.0] * 3, [3] * 3, [4.0] * 4)
+    assert a.experts == ((0, 3), (2,), (1,))
 
 def test_assign_errors():
     with pytest.raises(ValueError, match="capacity"):
