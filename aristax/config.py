@@ -154,7 +154,8 @@ class MoEConfig:
       router: "softmax_topk" (softmax over E, then top-k; Mixtral/Switch),
         "topk_softmax" (top-k logits, then softmax over the K), "sigmoid" (sigmoid
         scores; DeepSeek-V3), "expert_choice" (each expert picks its tokens; Zhou et
-        al. 2022).
+        al. 2022; a token no expert picks gets y = 0, counted in
+        ``aux["unchosen_tokens"]``).
       normalize_weights: renormalise the K combine weights to sum to 1 (Mixtral,
         DeepSeek-V3). Ignored by "topk_softmax", whose weights always sum to 1.
       num_groups, topk_groups: group-limited routing (DeepSeek-V3): experts are split
@@ -256,7 +257,7 @@ class MoEConfig:
                       "balance loss (DeepSeek-V3) needs a token-choice router; use 0")
             if self.drop_policy != "position":
                 _fail("drop_policy", self.drop_policy, "expert choice picks its tokens "
-                      "itself and drops none; leave the default 'position'")
+                      "itself (no capacity drops); leave the default 'position'")
         if not _is_int(self.num_shared_experts) or self.num_shared_experts < 0:
             _fail("num_shared_experts", self.num_shared_experts, "must be an integer >= 0")
         if self.shared_d_ff is not None and (

@@ -78,7 +78,7 @@ class MoE(nnx.Module):
 
     ``aux`` holds ``loss`` (the weighted auxiliary losses to add to the training loss),
     lb_loss, seq_aux_loss, z_loss, expert_load[E], dropped_fraction, num_dropped,
-    nonfinite_tokens and router_logits[..., E]; see ``aristax.moe.moe``.
+    nonfinite_tokens, unchosen_tokens and router_logits[..., E]; see ``aristax.moe.moe``.
 
     Router jitter is applied while ``deterministic`` is False (``module.train()``)
     and ``config.router_jitter > 0``; ``module.eval()`` turns it off.

@@ -162,7 +162,9 @@ def moe(
         expert_load: int32[E] routed assignments per expert (before drops),
         dropped_fraction: float32[] dropped / routed assignments,
         num_dropped: int32[], nonfinite_tokens: int32[] tokens with NaN/inf logits
-          (routed nowhere), router_logits: float32[T, E].
+          (routed nowhere), unchosen_tokens: int32[] finite tokens that no expert
+          chose under expert choice (y = 0 there; 0 for token choice),
+          router_logits: float32[T, E].
     Raises:
       ValueError: x, params, bias or seq_len do not fit ``config`` (``check_inputs``).
     """
@@ -368,5 +370,6 @@ def moe_aux(
         / jnp.maximum(routed, 1).astype(jnp.float32),
         "num_dropped": num_dropped,
         "nonfinite_tokens": jnp.sum(~finite, dtype=jnp.int32),
+        "unchosen_tokens": routing_lib.unchosen_tokens(routing),
         "router_logits": logits,
     }

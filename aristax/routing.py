@@ -88,6 +88,14 @@ def finite_rows(logits: jax.Array) -> jax.Array:
     return jnp.all(jnp.isfinite(logits), axis=-1)
 
 
+def unchosen_tokens(routing: Routing) -> jax.Array:
+    """int32[]: tokens with finite logits that no slot serves (expert choice: chosen by
+    no expert, so y = 0 there; always 0 for token choice, whose capacity drops are
+    counted by ``aristax.dispatch``)."""
+    served = jnp.any(routing.mask, axis=1)
+    return jnp.sum(finite_rows(routing.logits) & ~served, dtype=jnp.int32)
+
+
 def token_scores(logits: jax.Array, router: str) -> tuple[jax.Array, jax.Array]:
     """(scores, probs) [T, E] of finite logits for a token-choice router: the
     selection scores (sigmoid, or softmax over E) and the probs the balancing losses

@@ -77,7 +77,7 @@ _PARAM_NAMES = {
     "shared_gate_df": "shared_gate_df", "shared_down_fd": "shared_down_fd",
 }
 _SCALAR_AUX = ("loss", "lb_loss", "seq_aux_loss", "z_loss", "dropped_fraction",
-               "num_dropped", "num_overflow", "nonfinite_tokens")
+               "num_dropped", "num_overflow", "nonfinite_tokens", "unchosen_tokens")
 
 
 # ------------------------------------------------------------------ layout
@@ -183,6 +183,7 @@ def global_aux(routing, dispatch, num_overflow, config: MoEConfig, axes, num_sha
             jnp.float32),
         "num_dropped": dropped, "num_overflow": jax.lax.psum(num_overflow, axes),
         "nonfinite_tokens": jax.lax.psum(jnp.sum(~finite, dtype=jnp.int32), axes),
+        "unchosen_tokens": jax.lax.psum(routing_lib.unchosen_tokens(routing), axes),
         "router_logits": routing.logits,
     }
 

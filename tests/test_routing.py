@@ -107,6 +107,33 @@ def test_expert_choice_gives_every_expert_its_capacity():
     assert int(routing.mask.sum(1).max()) > 2 or int(routing.mask.sum(1).min()) < 2
 
 
+def test_expert_choice_counts_the_tokens_no_expert_chose():
+    """Expert choice, K=1, E=4, T=16 (C = 4 per expert) with one NaN token: the tokens
+    outside every expert's top-C by probability (NumPy) get y = 0 and are counted in
+    aux["unchosen_tokens"]; the NaN token is counted as non-finite, not as unchosen.
+    Token choice chooses every finite token."""
+    T, E, C = 16, 4, 4
+    cfg = MoEConfig(num_experts=E, top_k=1, d_model=8, d_ff=8, router="expert_choice")
+    module = make(cfg, seed=3)
+    x = jax.random.normal(jax.random.key(4), (T, 8)).at[5, 0].set(jnp.nan)
+    y, aux = apply(module, x)
+    logits = np.asarray(x, np.float64) @ np.asarray(module.router.weight_de[...], np.float64)
+    good = np.isfinite(logits).all(axis=1)
+    p = np.exp(logits - logits.max(axis=1, keepdims=True))
+    p = np.where(good[:, None], p / p.sum(axis=1, keepdims=True), -1.0)
+    chosen = np.zeros(T, bool)
+    for e in range(E):
+        chosen[np.argsort(-p[:, e], kind="stable")[:C]] = True
+    unchosen = good & ~chosen
+    assert unchosen.sum() > 0  # the case exercises it
+    assert int(aux["unchosen_tokens"]) == unchosen.sum()
+    assert int(aux["nonfinite_tokens"]) == 1
+    np.testing.assert_array_equal(np.asarray(y)[unchosen], 0.0)
+    assert (np.abs(np.asarray(y)[chosen & good]).sum(axis=1) > 0).all()
+    _, aux_tc = apply(make(cfg.replace(router="softmax_topk"), seed=3), x)
+    assert int(aux_tc["unchosen_tokens"]) == 0
+
+
 def test_router_jitter_only_in_training_and_bounded():
     eps = 0.2
     cfg = MoEConfig(num_experts=4, top_k=2, d_model=8, d_ff=8, router_jitter=eps)

@@ -20,7 +20,8 @@ from aristax.planner.topology import uniform
 
 D, F, T = 16, 24, 64
 TOK = P(("data", "expert"), None)
-AUX_EQUAL = ("lb_loss", "z_loss", "seq_aux_loss", "loss", "expert_load", "nonfinite_tokens")
+AUX_EQUAL = ("lb_loss", "z_loss", "seq_aux_loss", "loss", "expert_load", "nonfinite_tokens",
+             "unchosen_tokens")
 
 
 def make_mesh(shape, explicit=True):
