@@ -175,7 +175,7 @@ def moe(
     def layer(x, params, bias, jitter_rng):
         return _moe(x, params, config, bias, jitter_rng, seq_len)
 
-    def rows_like_x(mesh):
+    def rows_like_x():
         spec = jax.typeof(x).sharding.spec
         row = P(spec[0] if spec else None, None)
         shapes = jax.eval_shape(layer, *jax.tree.map(

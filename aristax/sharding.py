@@ -67,12 +67,12 @@ def on_auto_axes(fn: Callable, *args, out_sharding):
     (e.g. made under ``jax.set_mesh``), with those axes made Auto
     (``jax.sharding.auto_axes``), for ops that have no sharding rule on Explicit axes
     (sort, gather, ``ragged_dot``). ``out_sharding``: PartitionSpecs of the outputs
-    there, or a function of the mesh that returns them."""
+    there, or a function of no arguments that returns them (called only there)."""
     mesh = explicit_mesh(*jax.tree.leaves(args))
     if mesh is None:
         return fn(*args)
     if callable(out_sharding):
-        out_sharding = out_sharding(mesh)
+        out_sharding = out_sharding()
     axes = tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit)
     with jax.sharding.use_abstract_mesh(mesh):
         return jax.sharding.auto_axes(fn, axes=axes, out_sharding=out_sharding)(*args)

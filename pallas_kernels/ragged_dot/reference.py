@@ -50,7 +50,7 @@ def ragged_dot(
     """
     op = functools.partial(_lax_ragged_dot, preferred_element_type=preferred_element_type)
 
-    def rows_like_lhs(mesh):
+    def rows_like_lhs():
         lhs_sharding = jax.typeof(lhs).sharding
         return P(lhs_sharding.spec[0] if lhs_sharding.spec else None, None)
 

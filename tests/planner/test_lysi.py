@@ -304,7 +304,6 @@ def test_assign_exact_cases():
     assert sorted(len(x) for x in a.experts) == [1, 1, 2]
 
 
-
 def test_assign_expert_exactly_filling_the_budget_is_taken():
     # budgets 8/2 = 4 each. Worker 0: BestFit 3 (expert 0), then budget 1 fits expert 1
     # exactly (cost == budget fits). Worker 1: 2 (expert 3), then 2 (expert 2) = 4.
@@ -318,6 +317,7 @@ def test_assign_wraparound_ties_go_to_the_earlier_worker():
     # rotation (worker 0) takes it
     a = lysi_assign([1.0] * 3, [3] * 3, [4.0] * 4)
     assert a.experts == ((0, 3), (2,), (1,))
+
 
 def test_assign_errors():
     with pytest.raises(ValueError, match="capacity"):
