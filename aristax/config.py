@@ -258,12 +258,19 @@ class MoEConfig:
             if self.drop_policy != "position":
                 _fail("drop_policy", self.drop_policy, "expert choice picks its tokens "
                       "itself (no capacity drops); leave the default 'position'")
+        elif self.drop_policy != "position" and self.capacity_factor is None:
+            _fail("drop_policy", self.drop_policy, "decides which assignments a full expert "
+                  "drops, and capacity_factor=None drops none: set capacity_factor or "
+                  "leave the default 'position'")
         if not _is_int(self.num_shared_experts) or self.num_shared_experts < 0:
             _fail("num_shared_experts", self.num_shared_experts, "must be an integer >= 0")
         if self.shared_d_ff is not None and (
             not _is_int(self.shared_d_ff) or self.shared_d_ff < 1
         ):
             _fail("shared_d_ff", self.shared_d_ff, "use None (= d_ff) or a positive integer")
+        if self.shared_d_ff is not None and self.num_shared_experts == 0:
+            _fail("shared_d_ff", self.shared_d_ff, "sizes the shared experts, and there are "
+                  "none: set num_shared_experts > 0 or leave shared_d_ff None")
         if self.num_chunks is not None and (not _is_int(self.num_chunks) or self.num_chunks < 1):
             _fail("num_chunks", self.num_chunks,
                   "must be None (the plan's count, else 1) or a positive integer (1 = no chunking)")

@@ -314,6 +314,8 @@ def test_sigmoid_router_with_underflowing_scores_stays_finite(implementation, no
     ("dtype", dict(dtype="float17")),
     ("seq_aux_loss_coef", dict(router="expert_choice", seq_aux_loss_coef=0.1)),
     ("drop_policy", dict(router="expert_choice", drop_policy="probability")),
+    ("drop_policy", dict(drop_policy="probability")),  # dropless: it would do nothing
+    ("shared_d_ff", dict(shared_d_ff=4)),  # no shared experts to size
     ("normalize_weights", dict(normalize_weights="false")),  # a truthy string
     ("debug_checks", dict(debug_checks="no")),
     ("capacity_factor", dict(capacity_factor=True)),

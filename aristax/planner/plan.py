@@ -84,6 +84,9 @@ class ModelSpec:
                     f"with a positive sum, got {len(load)} values; pass None for uniform routing."
                 )
             object.__setattr__(self, "expert_load", load)
+        if self.num_replicas is not None and not isinstance(self.num_replicas, (int, np.integer)):
+            raise ValueError(f"num_replicas={self.num_replicas!r} must be an integer (expert "
+                             "slots per group) or None.")
         if self.num_replicas is not None and self.num_replicas < self.num_experts:
             raise ValueError(f"num_replicas={self.num_replicas} must be >= num_experts={self.num_experts} "
                              "(every expert needs a slot) or None.")
