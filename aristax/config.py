@@ -196,7 +196,9 @@ class MoEConfig:
       num_chunks: Lancet overlap: split the tokens into this many chunks so one chunk's
         all-to-all can overlap another's experts; capacity is carried across chunks, so
         the result equals ``num_chunks=1`` (``aristax.parallel.overlap``). None: the
-        plan's count when the layer carries out a plan, else 1 (no chunking).
+        plan's count when the layer carries out a plan, else 1 (no chunking). The
+        ``MoE`` layer caps it at one chunk per token of each shard (a short batch,
+        e.g. one decode token, runs with fewer chunks).
       exchange_backend: expert-parallel token exchange ("padded", "ragged", ...; see
         ``EXCHANGE_BACKENDS``); None picks it from the platform.
     """

@@ -189,16 +189,19 @@ class MoE(nnx.Module):
         when an expert mesh is active (for a call on ``num_tokens`` tokens)."""
         cfg = self.config
         mesh = self.mesh if self.mesh is not None else jax.sharding.get_abstract_mesh()
-        chunks = cfg.num_chunks or 1
+        chunks = min(cfg.num_chunks or 1, num_tokens)  # at most one chunk per token
         if self.ep_options is not None:
             from aristax.parallel import expert_parallel_moe
 
             return functools.partial(expert_parallel_moe, mesh=mesh,
                                      **self.plan_call_options(num_tokens))
         if mesh is not None and not mesh.empty and EXPERT_AXIS in mesh.axis_names:
-            from aristax.parallel import expert_parallel_moe  # parallel imports this package
+            # parallel imports this package
+            from aristax.parallel import expert_parallel_moe, tokens_per_shard
 
-            return functools.partial(expert_parallel_moe, mesh=mesh, num_chunks=chunks,
+            local = tokens_per_shard(num_tokens, mesh)
+            return functools.partial(expert_parallel_moe, mesh=mesh,
+                                     num_chunks=max(1, min(chunks, local)),
                                      backend=cfg.exchange_backend)
         if chunks > 1:
             from aristax.parallel import chunked_moe
@@ -210,8 +213,8 @@ class MoE(nnx.Module):
         """The ``expert_parallel_moe`` options a call on ``num_tokens`` tokens uses when
         the layer carries out a plan (None without one): the plan's, with
         ``config.exchange_backend`` and a set ``config.num_chunks`` in their place;
-        the plan's chunk count, made for its planned batch, is capped at one chunk per
-        local token."""
+        the chunk count (the plan's is made for its planned batch) is capped at one
+        chunk per local token."""
         if self.ep_options is None:
             return None
         from aristax.parallel import tokens_per_shard
@@ -221,11 +224,8 @@ class MoE(nnx.Module):
         options = dict(self.ep_options)
         if cfg.exchange_backend is not None:
             options["backend"] = cfg.exchange_backend
-        if cfg.num_chunks is not None:
-            options["num_chunks"] = cfg.num_chunks
-        else:
-            local = tokens_per_shard(num_tokens, mesh, options["expert_axis"])
-            options["num_chunks"] = max(1, min(options["num_chunks"], local))
+        local = tokens_per_shard(num_tokens, mesh, options["expert_axis"])
+        options["num_chunks"] = max(1, min(cfg.num_chunks or options["num_chunks"], local))
         return options
 
     def update_balance_bias(self, expert_load: jax.Array) -> None:

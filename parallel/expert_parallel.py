@@ -550,7 +550,11 @@ def expert_parallel_moe(
         G=G, num_shards=shards, buffer_size=buffers, backend=backend, seq_len=seq_len,
         num_chunks=num_chunks, chunk_buffer=chunk_buffers, replicas=replicas,
         schedule=None if schedule is None else tuple(tuple(map(tuple, r)) for r in schedule))
-    overlap.chunk_bounds(x.shape[0] // shards, num_chunks)  # validates num_chunks early
+    Tl = x.shape[0] // shards
+    if isinstance(num_chunks, (int, np.integer)) and num_chunks > Tl:
+        raise ValueError(f"num_chunks={num_chunks} exceeds the {Tl} tokens of each token "
+                         f"shard (T={x.shape[0]} over {shards} shards); use num_chunks <= {Tl}")
+    overlap.chunk_bounds(Tl, num_chunks)  # validates num_chunks early
     aux_specs = {k: P() for k in _SCALAR_AUX} | {"expert_load": P(), "router_logits": tok}
     # Pallas interpret mode (kernels named, on the CPU) fails JAX 0.10's varying-manual-
     # axes check inside shard_map ("Scan carry input and output got mismatched varying

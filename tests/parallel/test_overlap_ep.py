@@ -74,3 +74,24 @@ def test_ep_num_chunks_validated():
     with pytest.raises(ValueError, match="num_chunks=9"):
         expert_parallel_moe(jnp.zeros((T, D)), make_params(cfg), cfg, make_mesh((2, 4)),
                             num_chunks=9)
+
+
+def test_layer_caps_num_chunks_at_the_tokens_of_each_shard():
+    """MoE(num_chunks=4) on a (2, 4) mesh with T = 8, one token per shard (as in
+    decoding): the layer runs one chunk and equals the single-device layer; the
+    functional forward given the same count raises and says it is per shard."""
+    from flax import nnx
+
+    from aristax import MoE
+
+    cfg = MoEConfig(num_experts=8, top_k=2, d_model=D, d_ff=24, num_chunks=4)
+    mesh = make_mesh((2, 4))
+    layer, single = MoE(cfg, rngs=nnx.Rngs(0), mesh=mesh), MoE(cfg, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (8, D))  # 1 token per shard
+    y, aux = layer(x)
+    y_ref, aux_ref = moe(x, single.params(), cfg.replace(num_chunks=None))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), atol=3e-5, rtol=3e-5)
+    np.testing.assert_array_equal(aux["expert_load"], aux_ref["expert_load"])
+    with pytest.raises(ValueError, match=r"num_chunks=4 exceeds the 1 tokens of each token "
+                                         r"shard \(T=8 over 8 shards\)"):
+        expert_parallel_moe(x, make_params(cfg), cfg, mesh, num_chunks=4)
