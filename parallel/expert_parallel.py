@@ -512,12 +512,6 @@ def expert_parallel_moe(
                          f"{num_slots} physical slots; lay the weights out with "
                          "layout_experts(params, expert_perm)")
     check_inputs(x, params, config, bias=bias, seq_len=seq_len, num_slots=num_slots)
-    slot_of, replicas = None, None
-    if expert_perm is not None:
-        if num_slots == config.num_experts:
-            slot_of = inverse_permutation(expert_perm)
-        else:
-            replicas = replica_tables(expert_perm, config.num_experts)
     backend = check_backend(backend or default_backend())
     if backend == "hierarchical" and len(expert_axes) != 2:
         raise ValueError(f"backend='hierarchical' needs expert_axis=(outer, inner), two mesh "
@@ -525,6 +519,44 @@ def expert_parallel_moe(
     if schedule is not None and backend != "scheduled":
         raise ValueError(f"schedule= is used by backend='scheduled' only, not {backend!r}; "
                          "pass backend='scheduled' or drop schedule")
+    x_spec = _explicit_spec(x, mesh)
+    router_in = x
+    if jitter_rng is not None and config.router_jitter > 0:
+        router_in = routing_lib.apply_jitter(x, config.router_jitter, jitter_rng)
+    Tl = x.shape[0] // shards
+    if isinstance(num_chunks, (int, np.integer)) and num_chunks > Tl:
+        raise ValueError(f"num_chunks={num_chunks} exceeds the {Tl} tokens of each token "
+                         f"shard (T={x.shape[0]} over {shards} shards); use num_chunks <= {Tl}")
+    overlap.chunk_bounds(Tl, num_chunks)  # validates num_chunks early
+    fn = _sharded_forward(
+        config, mesh, None if expert_perm is None else tuple(map(int, np.ravel(expert_perm))),
+        token_axes, expert_axis, G, shards, None if buffer_size is None else int(buffer_size),
+        backend, seq_len, int(num_chunks),
+        None if schedule is None else tuple(tuple(map(tuple, r)) for r in schedule),
+        _param_specs(params, expert_axis))
+    y, aux = fn(x, router_in, params, bias)
+    if x_spec is not None:  # Explicit axes: the output keeps the input's sharding
+        row = P(x_spec[0] if len(x_spec) else None, None)
+        y = _place(y, mesh, P(*x_spec) if len(x_spec) == 2 else row)
+        aux["router_logits"] = _place(aux["router_logits"], mesh, row)
+    return y, aux
+
+
+@functools.lru_cache(maxsize=64)
+def _sharded_forward(config, mesh, expert_perm, token_axes, expert_axis, G, shards,
+                     buffer_size, backend, seq_len, num_chunks, schedule, param_specs):
+    """The jitted ``shard_map`` of ``_local_moe`` for one layout (hashable arguments, as
+    ``expert_parallel_moe`` checked them). Cached so that eager calls (a notebook) reuse
+    one compilation: a bare ``shard_map`` runs op by op eagerly (10 s a call for a small
+    layer on 8 CPU devices), and a new ``jit`` per call compiles again (2 s); inside a
+    caller's ``jit`` it is inlined."""
+    slot_of, replicas = None, None
+    num_slots = config.num_experts if expert_perm is None else len(expert_perm)
+    if expert_perm is not None:
+        if num_slots == config.num_experts:
+            slot_of = inverse_permutation(expert_perm)
+        else:
+            replicas = replica_tables(expert_perm, config.num_experts)
     E_local = num_slots // G
 
     def buffers(tl):
@@ -535,39 +567,27 @@ def expert_parallel_moe(
     def chunk_buffers(tl, tc):
         return min(buffers(tl), tc * config.top_k)
 
-    x_spec = _explicit_spec(x, mesh)
-    router_in = x
-    if jitter_rng is not None and config.router_jitter > 0:
-        router_in = routing_lib.apply_jitter(x, config.router_jitter, jitter_rng)
-    tok = P(token_axes, None)
-    pspecs = _param_specs(params, expert_axis)
-    x, router_in = _place(x, mesh, tok), _place(router_in, mesh, tok)
-    params = MoEParams(**{name: _place(getattr(params, name), mesh, getattr(pspecs, name))
-                          for name in _PARAM_NAMES})
-    bias = _place(bias, mesh, P())
     body = functools.partial(
         _local_moe, config=config, slot_of=slot_of, axes=token_axes, expert_axis=expert_axis,
         G=G, num_shards=shards, buffer_size=buffers, backend=backend, seq_len=seq_len,
         num_chunks=num_chunks, chunk_buffer=chunk_buffers, replicas=replicas,
-        schedule=None if schedule is None else tuple(tuple(map(tuple, r)) for r in schedule))
-    Tl = x.shape[0] // shards
-    if isinstance(num_chunks, (int, np.integer)) and num_chunks > Tl:
-        raise ValueError(f"num_chunks={num_chunks} exceeds the {Tl} tokens of each token "
-                         f"shard (T={x.shape[0]} over {shards} shards); use num_chunks <= {Tl}")
-    overlap.chunk_bounds(Tl, num_chunks)  # validates num_chunks early
+        schedule=schedule)
+    tok = P(token_axes, None)
     aux_specs = {k: P() for k in _SCALAR_AUX} | {"expert_load": P(), "router_logits": tok}
     # Pallas interpret mode (kernels named, on the CPU) fails JAX 0.10's varying-manual-
     # axes check inside shard_map ("Scan carry input and output got mismatched varying
     # manual axes"): there the check is off. Compiled kernels keep it.
-    # jit: called eagerly (a notebook), a bare shard_map runs op by op, 10 s for a small
-    # layer on 8 CPU devices against under 1 s; inside a caller's jit it is inlined.
-    fn = jax.jit(jax.shard_map(
-        body, mesh=mesh,
-        in_specs=(tok, tok, pspecs, P()),
-        out_specs=(tok, aux_specs), check_vma=not frontdoor.interprets(config.implementation)))
-    y, aux = fn(x, router_in, params, bias)
-    if x_spec is not None:  # Explicit axes: the output keeps the input's sharding
-        row = P(x_spec[0] if len(x_spec) else None, None)
-        y = _place(y, mesh, P(*x_spec) if len(x_spec) == 2 else row)
-        aux["router_logits"] = _place(aux["router_logits"], mesh, row)
-    return y, aux
+    sharded = jax.shard_map(
+        body, mesh=mesh, in_specs=(tok, tok, param_specs, P()), out_specs=(tok, aux_specs),
+        check_vma=not frontdoor.interprets(config.implementation))
+
+    def forward(x, router_in, params, bias):
+        # placed inside the jit: eagerly, an abstract mesh (jax.set_mesh read under a
+        # trace such as nnx.grad) cannot constrain single-device arrays
+        params = MoEParams(**{name: _place(getattr(params, name), mesh,
+                                           getattr(param_specs, name))
+                              for name in _PARAM_NAMES})
+        return sharded(_place(x, mesh, tok), _place(router_in, mesh, tok), params,
+                       _place(bias, mesh, P()))
+
+    return jax.jit(forward)

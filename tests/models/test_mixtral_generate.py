@@ -4,7 +4,6 @@ HF's TopPLogitsWarper, argument errors, and the ``aristax generate`` CLI."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import json
 import re
@@ -22,25 +21,10 @@ from flax import nnx
 from aristax.models import cli as models_cli
 from aristax.models import forward, generate
 from aristax.models.generate import top_p_mask
+from compiles import count_compiles
 
 # the module (``aristax.models.generate`` the attribute is the exported function)
 gen_lib = importlib.import_module("aristax.models.generate")
-
-
-@contextlib.contextmanager
-def count_compiles():
-    """Counts XLA backend compilations inside the block."""
-    events = []
-
-    def listener(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            events.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield events
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def test_one_prefill_and_one_decode_compile(small_pair):

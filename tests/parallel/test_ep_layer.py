@@ -10,7 +10,8 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import moe_reference as ref
-from aristax import MoE, MoEConfig
+from compiles import count_compiles
+from aristax import MoE, MoEConfig, moe
 from aristax.parallel import expert_parallel_moe
 from test_expert_parallel import per_shard_moe
 from test_moe import param_dict
@@ -54,6 +55,34 @@ def test_set_mesh_routes_to_expert_parallel():
     np.testing.assert_allclose(float(aux_mesh["lb_loss"]), float(aux_single["lb_loss"]),
                                rtol=1e-5)
     assert not np.allclose(np.asarray(y_mesh), np.asarray(y_single), atol=1e-6)
+
+
+def test_eager_calls_under_set_mesh_equal_one_device_and_compile_once():
+    """A notebook's eager calls: under ``jax.set_mesh`` with Auto axes a fresh layer
+    (weights on one device, no ``mesh=``) runs expert-parallel and equals the
+    single-device layer, gradients included (it raised TypeError: the weights were
+    constrained to the abstract mesh); a second call compiles nothing (every eager call
+    compiled the whole shard_map again)."""
+    cfg = MoEConfig(num_experts=8, top_k=2, d_model=D, d_ff=24)
+    mesh = jax.make_mesh((4, 2), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
+    module = build(cfg)
+    x = jax.random.normal(jax.random.key(3), (B, S, D))
+    y_ref, aux_ref = moe(x.reshape(-1, D), module.params(), cfg)
+    loss = lambda m, x: jnp.sum(m(x)[0] ** 2)  # noqa: E731
+    grads_ref = nnx.grad(loss)(module, x)
+    x_again = x + 1.0
+    with jax.set_mesh(mesh):
+        y, aux = module(x)
+        with count_compiles() as compiles:
+            y_again, _ = module(x_again)
+        grads = nnx.grad(loss)(module, x)
+    assert compiles == []
+    np.testing.assert_allclose(np.asarray(y).reshape(-1, D), np.asarray(y_ref), atol=2e-5,
+                               rtol=2e-5)
+    np.testing.assert_array_equal(aux["expert_load"], aux_ref["expert_load"])
+    assert not np.allclose(np.asarray(y_again), np.asarray(y), atol=1e-3)
+    for g, g_ref in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), atol=2e-5, rtol=2e-5)
 
 
 def test_explicit_mesh_attribute_and_gradients():
