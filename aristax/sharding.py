@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import jax
 from flax import nnx
-from jax.sharding import AxisType
+from jax.sharding import AxisType, PartitionSpec as P
 
 EXPERT_AXIS = "expert"
 DATA_AXIS = "data"
@@ -75,4 +75,10 @@ def on_auto_axes(fn: Callable, *args, out_sharding):
         out_sharding = out_sharding()
     axes = tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit)
     with jax.sharding.use_abstract_mesh(mesh):
+        # arrays typed on no mesh (weights on one device) are typed replicated on it
+        # first: called eagerly, their gradients came back typed on the mesh's Auto twin,
+        # which no later op on the Explicit mesh (an optimizer update) accepts
+        args = jax.tree.map(
+            lambda a: jax.sharding.reshard(a, P()) if jax.typeof(a).sharding.mesh.empty else a,
+            args)
         return jax.sharding.auto_axes(fn, axes=axes, out_sharding=out_sharding)(*args)

@@ -413,7 +413,15 @@ def test_data_parallel_on_an_explicit_mesh_equals_one_device(capacity_factor):
         xs = jax.device_put(x, NamedSharding(mesh, P("data")))
         y, aux = jax.jit(lambda x, p: moe(x, p, cfg))(xs, module.params())
         grads = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))(xs, module.params())[0]
+        eager = jax.grad(loss, argnums=(0, 1), has_aux=True)(xs, module.params())[0]
+        # an optimizer-like step on the mesh takes them (eager gradients of the
+        # one-device weights came back typed on the mesh's Auto twin, and this raised)
+        stepped = jax.tree.map(lambda p, g: p - 0.5 * g, module.params(), eager[1])
     assert y.sharding.spec[0] == "data"
+    chex.assert_trees_all_close(eager, grads_ref, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(
+        stepped, jax.tree.map(lambda p, g: p - 0.5 * g, module.params(), grads_ref[1]),
+        rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6)
     assert int(aux["num_dropped"]) == pl["dropped"]
     np.testing.assert_array_equal(aux["expert_load"], pl["load"])
