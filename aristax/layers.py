@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 
 from aristax import routing as routing_lib
 from aristax.config import MoEConfig
-from aristax.moe import MoEParams, moe
+from aristax.moe import MoEParams, check_array, moe
 from aristax.sharding import EXPERT_AXIS, sharded_param
 
 # Fan-in scaling of a stacked [E, in, out] weight: each expert on its own.
@@ -163,6 +163,7 @@ class MoE(nnx.Module):
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         cfg = self.config
+        check_array(x)
         if x.ndim < 1 or x.shape[-1] != cfg.d_model:
             raise ValueError(
                 f"x has shape {x.shape}, but MoEConfig.d_model={cfg.d_model}: the last "

@@ -60,8 +60,19 @@ def router_logits(x: jax.Array, router_de: jax.Array) -> jax.Array:
     return jnp.where(finite, logits, jnp.nan)
 
 
+def check_array(x) -> None:
+    """Raise a ``TypeError`` unless x is an array (a list has no shape to check)."""
+    if not hasattr(x, "ndim"):
+        raise TypeError(f"x must be an array, got {type(x).__name__}; pass jnp.asarray(x)")
+
+
 def check_tokens(x: jax.Array, config: MoEConfig) -> None:
-    """Raise a ``ValueError`` unless x is [T, D] floating with T >= 1, D = d_model."""
+    """Raise a ``ValueError`` unless x is [T, D] floating with T >= 1, D = d_model (a
+    ``TypeError`` when x is not an array or config not a ``MoEConfig``)."""
+    if not isinstance(config, MoEConfig):
+        raise TypeError(f"config must be a MoEConfig, got {type(config).__name__} (the "
+                        "arguments are (x, params, config))")
+    check_array(x)
     D = config.d_model
     if x.ndim != 2 or x.shape[1] != D:
         raise ValueError(f"x has shape {x.shape}; it must be [T, D] with D = MoEConfig."
@@ -86,6 +97,9 @@ def check_inputs(
     hold more); bias float[E]; seq_len a positive divisor of T.
     """
     check_tokens(x, config)
+    if not isinstance(params, MoEParams):
+        raise TypeError(f"params must be MoEParams (e.g. MoE(...).params()), got "
+                        f"{type(params).__name__}")
     D, F, E = config.d_model, config.d_ff, config.num_experts
     P, Fs, gated = num_slots or E, config.shared_width, config.activation != "gelu"
     shared = config.num_shared_experts > 0

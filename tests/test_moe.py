@@ -285,6 +285,20 @@ def test_bad_inputs_name_the_argument(layer, label):
         forward(**args)
 
 
+def test_arguments_of_the_wrong_type_say_what_they_must_be():
+    """Swapped arguments, a dict of weights or a list of tokens raise a TypeError that
+    names the argument (they were AttributeErrors from deep inside)."""
+    cfg = MoEConfig(num_experts=4, top_k=2, d_model=8, d_ff=8)
+    layer = make(cfg)
+    x, params = jnp.ones((6, 8)), layer.params()
+    with pytest.raises(TypeError, match="config must be a MoEConfig, got MoEParams"):
+        moe(x, cfg, params)
+    with pytest.raises(TypeError, match="params must be MoEParams.*got dict"):
+        moe(x, dataclasses.asdict(params), cfg)
+    with pytest.raises(TypeError, match=r"x must be an array, got list; pass jnp.asarray"):
+        layer([[0.0] * 8])
+
+
 @pytest.mark.parametrize("implementation, names", [
     ("mosaic_gpu", ["mosaic_gpu", "reference"]),
     (["triton", "mosaic_gpu"], ["triton", "mosaic_gpu", "reference"]),

@@ -90,7 +90,10 @@ class ModelSpec:
         if self.num_replicas is not None and self.num_replicas < self.num_experts:
             raise ValueError(f"num_replicas={self.num_replicas} must be >= num_experts={self.num_experts} "
                              "(every expert needs a slot) or None.")
-        self.workload()  # validates the shared fields
+        try:
+            self.workload()  # validates the shared fields
+        except ValueError as e:  # the user built a ModelSpec, not a Workload
+            raise ValueError(str(e).replace("Workload.", "ModelSpec.")) from None
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k={self.top_k} must be between 1 and num_experts={self.num_experts} "
                              "(each token picks top_k distinct experts); lower top_k or add experts.")

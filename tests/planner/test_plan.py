@@ -127,6 +127,8 @@ def test_validation_errors():
         ModelSpec(num_experts=4, num_replicas=3)
     with pytest.raises(ValueError, match="num_replicas=5.5 must be an integer"):
         ModelSpec(num_experts=4, num_replicas=5.5)
+    with pytest.raises(ValueError, match="ModelSpec.top_k must be a positive integer"):
+        ModelSpec(num_experts=4, top_k=0)
     with pytest.raises(ValueError, match=r"top_k=5 must be between 1 and num_experts=4"):
         ModelSpec(num_experts=4, top_k=5)
     with pytest.raises(ValueError, match="top_k"):
