@@ -76,7 +76,8 @@ def mesh_from_plan(
         (default ``jax.devices()``).
       num_experts: when given, must equal ``plan.num_experts`` (the model's E).
       axis_types: mesh axis types (default: ``Explicit`` for every axis, as
-        ``jax.make_mesh``); ``expert_parallel_moe`` accepts either kind.
+        ``jax.make_mesh``); ``expert_parallel_moe`` accepts either kind. Outside
+        ``jit``, take gradients on an Explicit mesh under ``jax.set_mesh(mesh)``.
       topology: the ``aristax.planner.Topology`` the plan was made for; its ``node``
         ids tell which devices share a host.
       hierarchical: True: the 3-axis mesh (needs ``topology.node``); False: always
