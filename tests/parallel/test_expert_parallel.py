@@ -325,7 +325,6 @@ def test_numpy_int_buffer_size_and_expert_axis_data():
     x, params = jax.random.normal(jax.random.key(2), (T, D)), make_params(cfg)
     y_ref, _ = moe(x, params, cfg)
     for kw in (dict(buffer_size=np.int64(T)), dict(expert_axis="data")):
-        y, _ = jax.jit(lambda x, params: expert_parallel_moe(x, params, cfg, mesh, **kw))(
-            x, params)
+        y, _ = expert_parallel_moe(x, params, cfg, mesh, **kw)
         np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), atol=2e-5, rtol=2e-5,
                                    err_msg=str(kw))
