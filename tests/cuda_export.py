@@ -45,10 +45,40 @@ def gpu_mesh(mesh, device=H100) -> jax.sharding.AbstractMesh:
 
 def export_for_cuda(fn, *avals, disabled_checks=()) -> jax.export.Exported:
     """``jax.export.export(fn, platforms=["cuda"], disabled_checks=...)(*avals)``
-    lowered for an H100."""
-    with gpu_target():
+    lowered for an H100, with every Pallas Triton kernel's module verified
+    (``verified_triton_modules``)."""
+    with gpu_target(), verified_triton_modules():
         return jax.export.export(fn, platforms=["cuda"],
                                  disabled_checks=list(disabled_checks))(*avals)
+
+
+@contextlib.contextmanager
+def verified_triton_modules():
+    """Run MLIR's verifier on each Triton module that Pallas lowers here.
+
+    JAX serialises a Triton kernel's module unverified; the GPU's compiler verifies
+    it when it parses it, so a kernel that lowers here can still fail to compile
+    there (jax 0.10/0.11 lower a Python scalar in a scalar ``jnp.where`` with the
+    predicate's type, i1: a loop bound ``jnp.where(p, n, 0)`` failed "scf.for ...
+    have same type" on an H200). This fails the lowering here instead (JAX's
+    private lowering function, wrapped for the duration)."""
+    from jax._src.pallas.triton import lowering
+
+    lower = lowering.lower_jaxpr_to_triton_module
+
+    def lower_and_verify(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        try:
+            result.module.operation.verify()
+        except Exception as err:  # MLIRError; its text names the op and the source line
+            raise AssertionError(f"a Triton module does not verify: {err}") from err
+        return result
+
+    lowering.lower_jaxpr_to_triton_module = lower_and_verify
+    try:
+        yield
+    finally:
+        lowering.lower_jaxpr_to_triton_module = lower
 
 
 

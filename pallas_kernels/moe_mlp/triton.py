@@ -47,7 +47,7 @@ from jax.experimental.pallas import triton as plgpu
 from aristax.pallas_kernels.permute.triton import MAX_TOP_K
 from aristax.pallas_kernels.ragged_dot.triton import (
     DTYPES, GROUP, ROW_HI, ROW_LO, TILE, KernelTiles, TritonTiles, _load, _mask2d,
-    _tail_mask, gmm_schedule,
+    _tail_mask, gmm_schedule, steps_if,
 )
 from aristax.pallas_kernels.tiling import out_type
 
@@ -193,7 +193,7 @@ def _gate_up_kernel(sched_ref, order_ref, nv_ref, x_ref, *refs, tiles: KernelTil
                      for acc, ref in zip(accs, mats))
 
     zeros = jnp.zeros((bm, bn), jnp.float32)
-    accs = lax.fori_loop(0, jnp.where(any_live, pl.cdiv(d, bk), 0), body,
+    accs = lax.fori_loop(0, steps_if(any_live, pl.cdiv(d, bk)), body,
                          (zeros,) * len(mats))
     h = activate(accs[1] if gate_ref is not None else None, accs[0], activation)
     h = jnp.where(live[:, None], h, 0.0)  # 0 * inf weights would give NaN
@@ -221,7 +221,7 @@ def _down_combine_kernel(sched_ref, order_ref, nv_ref, w_ref, h_ref, down_ref, _
         b = _load(down_ref.at[group, pl.ds(k0, bk), pl.ds(col0, bn)], _mask2d(k_ok, col_ok))
         return acc + plgpu.dot(a, b)
 
-    acc = lax.fori_loop(0, jnp.where(any_live, pl.cdiv(f, bk), 0), body,
+    acc = lax.fori_loop(0, steps_if(any_live, pl.cdiv(f, bk)), body,
                         jnp.zeros((bm, bn), jnp.float32))
     slots = _slots(order_ref, rows, live)
     w = plgpu.load(w_ref.at[slots], mask=live, other=0).astype(jnp.float32)

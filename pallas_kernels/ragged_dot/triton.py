@@ -212,6 +212,15 @@ def _load(ref, mask):
     return plgpu.load(ref) if mask is None else plgpu.load(ref, mask=mask, other=0)
 
 
+def steps_if(live, steps: int):
+    """int32 ``steps`` where the scalar ``live`` holds, else 0: a loop bound.
+    (Not ``jnp.where(live, steps, 0)``: Pallas Triton gives a Python scalar in a
+    scalar select the predicate's type, i1, and the GPU's compiler then rejects the
+    loop: "'scf.for' op failed to verify that all of {lowerBound, upperBound, step}
+    have same type".)"""
+    return live.astype(jnp.int32) * steps
+
+
 def _tail_mask(start, size: int, bound: int):
     """[size] mask start + i < bound, or None when ``bound`` is a multiple of size
     (start is then a multiple of size and no tile overruns)."""
@@ -242,8 +251,8 @@ def _gmm_kernel(sched_ref, lhs_ref, rhs_ref, out_ref, *, tiles: KernelTiles, dim
                   _mask2d(k_ok, col_ok))
         return acc + plgpu.dot(a, b)
 
-    steps = jnp.where(row_hi > row_lo, pl.cdiv(k, bk), 0)
-    acc = lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32))
+    acc = lax.fori_loop(0, steps_if(row_hi > row_lo, pl.cdiv(k, bk)), body,
+                        jnp.zeros((bm, bn), jnp.float32))
     # Rows outside the group hold 0 * rhs, which is NaN where rhs is inf: select 0.
     acc = jnp.where(in_group[:, None], acc, 0.0)
     row_ok = (in_group | (rows >= sched_ref[ZERO_FROM, slot])) & (rows < m)
