@@ -30,7 +30,12 @@ the same run), ``jax.lax.ragged_dot`` and ``torch._grouped_mm`` (when torch with
 imports), at uniform and Zipf-skewed group sizes.
 
 A step that fails is recorded with its error and the run goes on; the JSON is
-rewritten after each step, and steps past ``--budget-s`` are recorded as skipped.
+rewritten after each step. A worker process runs the steps; where it dies (a kernel
+that faults the GPU) or a step outlives ``--step-timeout-s`` (a kernel that hangs),
+the parent records that step and starts another worker after it. The plan is ordered
+by value: steps past ``--budget-s`` (7 minutes by default, so that a 15-minute lease
+holds the machine's start and a rerun) are recorded as skipped, and ``--only REGEX``
+runs the steps whose ids match (to finish a plan in a later lease).
 ``--dry-run`` takes the same path on the CPU at tiny shapes (Pallas interpret mode),
 so the script cannot rot between GPU sessions (``tests/test_gpu_check.py``).
 
@@ -39,17 +44,21 @@ from this source tree (``import_source_tree``); everything else it needs (jax, f
 optax, rich, pyyaml; torch optional) is in the device image.
 
 Usage: python experiments/benchmarks/gpu_check.py [--dry-run] [--budget-s 420]
-       [--out OUT.json (default: results/gpu_check_<platform>.json beside this script)]
+       [--step-timeout-s 180] [--only REGEX] [--repeats 10]
+       [--out OUT.json (default: results/gpu_check_gpu.json beside this script;
+        gpu_check_dry_run.json with --dry-run)]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import importlib.util
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -71,7 +80,7 @@ def import_source_tree() -> str:
     package's search path is [aristax/, the checkout's root]. Returns where it came
     from."""
     try:
-        import aristax.pallas_kernels  # noqa: F401 - the check itself
+        importlib.import_module("aristax.pallas_kernels")
         return "installed: " + str(Path(sys.modules["aristax"].__file__).parent)
     except ImportError:
         pass
@@ -211,7 +220,8 @@ def load_group_sizes(rows: int, groups: int, load: str, seed: int = 0) -> np.nda
 def routed_rows(T: int, K: int, E: int, rng: np.random.Generator) -> dict:
     """A dropless expert order: K distinct experts per token drawn from Zipf-skewed
     shares (an eighth of the experts, at least one, never chosen when E - K allows),
-    1/16 of the tokens routed nowhere (their slots last, out of the counts).
+    1/16 of the tokens (at least one, never token 0) routed nowhere (their slots last,
+    out of the counts).
     Returns sort_order int32[T*K], group_sizes int32[E], num_valid, weights f32[T, K]."""
     share = 1.0 / rng.permutation(np.arange(1, E + 1)) ** 1.2
     unused = min(E - K, max(1, E // 8))
@@ -219,8 +229,8 @@ def routed_rows(T: int, K: int, E: int, rng: np.random.Generator) -> dict:
     gumbel = rng.gumbel(size=(T, E))
     with np.errstate(divide="ignore"):
         ids = np.argsort(-(np.log(share) + gumbel), axis=1)[:, :K]
-    valid = rng.random(T) >= 1 / 16
-    valid[0] = True
+    valid = np.ones(T, bool)
+    valid[rng.choice(np.arange(1, T), size=min(T - 1, max(1, T // 16)), replace=False)] = False
     slot_valid = np.repeat(valid, K)
     flat = ids.reshape(-1)
     order = np.argsort(np.where(slot_valid, flat, E), kind="stable").astype(np.int32)
@@ -435,12 +445,35 @@ def with_grads(f: Callable) -> Callable:
     return run
 
 
-def compiled(fn: Callable, precision: str | None, *args):
-    """(the compiled ``jit(fn)`` for ``args``, its jaxpr), traced and compiled under
-    ``jax.default_matmul_precision(precision)`` (None: JAX's default)."""
+def compiled(fn: Callable, precision: str | None, *args, autotune: bool = True):
+    """(the compiled ``jit(fn)`` for ``args``, its kernel counts), traced and compiled
+    under ``jax.default_matmul_precision(precision)`` (None: JAX's default).
+
+    ``autotune=False`` compiles without XLA's GEMM autotuning: on the H200 it took
+    most of the 24 to 60 s that each float32 reference cost at the Mixtral shape.
+    Programs that are timed keep it."""
+    options = {} if autotune else {"xla_gpu_autotune_level": 0}
     with jax.default_matmul_precision(precision):
         traced = jax.jit(fn).trace(*args)
-        return traced.lower().compile(), traced.jaxpr
+        lowered = traced.lower()
+        return lowered.compile(options), kernel_calls(traced.jaxpr, lowered.as_text())
+
+
+# The custom call of each Pallas GPU backend in a lowered module.
+KERNEL_TARGETS = {"triton": "__gpu$xla.gpu.triton", "mosaic_gpu": "mosaic_gpu"}
+
+
+def kernel_calls(jaxpr, module_text: str) -> dict:
+    """How many Pallas kernels a program runs, per backend (none: plain XLA; the layer
+    runs the reference where a named kernel does not serve). Compiled kernels are
+    custom calls in the module; in interpret mode (CPU) they are plain HLO, and the
+    jaxpr's kernels are counted instead (Triton's ``pallas_call``s; Mosaic GPU's
+    ``plgpu.kernel`` is an ``mpmd_map``)."""
+    if jax.default_backend() == "cpu":
+        text = str(jaxpr)
+        return {"interpreted": text.count("pallas_call[") + text.count("mpmd_map[")}
+    return {name: module_text.count(f"custom_call @{target}")
+            for name, target in KERNEL_TARGETS.items()}
 
 
 def poison_free_memory(nbytes: int) -> None:
@@ -471,12 +504,6 @@ def leaves_by_name(tree, prefix: str) -> dict:
 
 def nbytes(tree) -> int:
     return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-
-def pallas_calls(jaxpr) -> int:
-    """How many Pallas kernels a program runs (0: plain XLA; the layer falls back to
-    the reference where a named kernel does not serve)."""
-    return str(jaxpr).count("pallas_call")
 
 
 def median_seconds(fn: Callable, *args, repeats: int, sample_s: float = 0.02) -> float:
@@ -517,13 +544,16 @@ class Step:
         return ":".join(parts + ([self.op, str(self.backend)] if self.op else []))
 
 
-def plan_steps(plan) -> list[Step]:
+def plan_steps(plan, only: str | None = None) -> list[Step]:
+    """The steps of ``plan`` in order; with ``only``, those whose id it matches
+    (``re.search``; the environment is always taken)."""
     steps = [Step("environment"), Step("ceilings")]
     for case in plan:
         if case.timed:
             steps.append(Step("peers", case))
         steps += [Step("check", case, op, name) for op in OPS for name in backends(op)]
-    return steps
+    return [s for s in steps
+            if only is None or s.kind == "environment" or re.search(only, s.id)]
 
 
 class Report:
@@ -535,7 +565,7 @@ class Report:
         self.data = json.loads(path.read_text()) if path.exists() else {
             "complete": False, "environment": {}, "ceilings": {}, "peers": [],
             "checks": [], "timings": [], "failures": [], "workers": [], "done": [],
-            "current": None}
+            "step_s": {}, "current": None}
 
     def write(self) -> None:
         """Atomically: the parent reads it while the worker writes."""
@@ -560,14 +590,15 @@ def run_worker(args, plan) -> int:
     report = Report(Path(args.out))
     done, cache = set(report.data["done"]), {}
     faults = dict(f.split(":", 1)[::-1] for f in args.fault or [])
-    for step in plan_steps(plan):
+    for step in plan_steps(plan, args.only):
         if step.id in done:
             continue
         if time.time() > args.deadline:
             report.fail(step.id, "skipped: over --budget-s")
             report.write()
             continue
-        report.data["current"] = {"step": step.id, "since": time.time()}
+        started = time.time()
+        report.data["current"] = {"step": step.id, "since": started}
         report.write()
         inject_fault(faults.get(step.id))
         try:
@@ -581,6 +612,7 @@ def run_worker(args, plan) -> int:
                 return 3
         finally:
             report.data["current"] = None
+            report.data["step_s"][step.id] = round(time.time() - started, 2)
             report.data["timings"] = timing_rows(report.data)
             report.write()
     return 0
@@ -624,6 +656,8 @@ def run_parent(args, argv) -> int:
     report.write()
     command = [sys.executable, __file__, *argv, "--worker", "--deadline", str(deadline)]
     for _ in range(MAX_WORKERS):
+        if time.time() > deadline:
+            break  # the steps left are recorded as skipped below
         outcome = watch(subprocess.Popen(command), out, args.step_timeout_s, deadline)
         if outcome == 2:
             return 2  # no GPU and no --dry-run: the worker said so in one line
@@ -638,8 +672,11 @@ def run_parent(args, argv) -> int:
         report.write()
         if current is None and outcome != 3:
             break  # it died outside any step: another would too
-    steps = [s.id for s in plan_steps(plan_of(args))]
-    report.data["complete"] = set(steps) <= set(report.data["done"])
+    for step in plan_steps(plan_of(args), args.only):
+        if step.id not in report.data["done"]:
+            report.fail(step.id, "skipped: over --budget-s")
+    report.data["complete"] = not any(f["error"].startswith("skipped")
+                                      for f in report.data["failures"])
     report.data["wall_s"] = round(time.time() - deadline + args.budget_s, 1)
     report.write()
     print_summary(report.data)
@@ -687,8 +724,7 @@ def environment(source: str) -> dict:
            "backend": jax.default_backend(),
            "devices": [str(getattr(d, "device_kind", d)) for d in jax.devices()],
            "compute_capability": getattr(jax.devices()[0], "compute_capability", None),
-           "matmul_precision": jax.config.jax_default_matmul_precision,
-           "git_commit": _git_commit()}
+           "matmul_precision": jax.config.jax_default_matmul_precision}
     try:
         env["nvidia_smi"] = subprocess.run(
             ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
@@ -715,15 +751,6 @@ def _version(package: str) -> str | None:
     try:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
-        return None
-
-
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"],
-                             capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
         return None
 
 
@@ -770,14 +797,15 @@ def prepare(op: str, case: Case) -> Prepared:
     rng = np.random.default_rng(zlib.crc32(f"{op} {case.name}".encode()))
     problem = PROBLEMS[op](case.shape, jnp.dtype(case.dtype), rng)
     fixed = jax.tree.map(jnp.asarray, problem.fixed)
-    ref_diff = cast_diff(problem.diff, F32)
+    diff = cast_diff(problem.diff, jnp.dtype(case.dtype))
+    ref_diff = cast_diff(diff, F32)  # the same values, rounded to the case's dtype
     ref_shapes = jax.eval_shape(lambda d: problem.reference(d, fixed)[0], ref_diff)
     cot = jax.tree.map(lambda sd: jnp.asarray(normal(rng, sd.shape)), ref_shapes)
-    ref_fn, _ = compiled(with_grads(problem.reference), "highest", ref_diff, fixed, cot)
+    ref_fn, _ = compiled(with_grads(problem.reference), "highest", ref_diff, fixed, cot,
+                         autotune=False)
     ref_out, ref_ints, ref_grads = jax.block_until_ready(ref_fn(ref_diff, fixed, cot))
     refs = {**leaves_by_name(ref_out, "out."), **leaves_by_name(ref_grads, "grad.")}
-    return Prepared(problem, cast_diff(problem.diff, jnp.dtype(case.dtype)), fixed, cot,
-                    refs, ref_ints)
+    return Prepared(problem, diff, fixed, cot, refs, ref_ints)
 
 
 def check_backend(p: Prepared, step: Step, repeats: int) -> dict:
@@ -789,12 +817,12 @@ def check_backend(p: Prepared, step: Step, repeats: int) -> dict:
            "precision": case.precision or "default", "tolerance": case.tolerance}
     t0 = time.perf_counter()
     try:
-        fn, jaxpr = compiled(with_grads(p.problem.fn(name)), case.precision, p.diff,
-                             p.fixed, p.cot)
+        fn, kernels = compiled(with_grads(p.problem.fn(name)), case.precision, p.diff,
+                               p.fixed, p.cot, autotune=case.timed)
     except NotImplementedError as err:  # the named backend does not serve this case
         print(f"  {step.op:10s} {str(name):10s} {case.name:22s} refused", flush=True)
         return {**row, "status": "refused", "reason": str(err)[:600]}
-    row.update(pallas_calls=pallas_calls(jaxpr), compile_s=round(time.perf_counter() - t0, 2))
+    row.update(kernels=kernels, compile_s=round(time.perf_counter() - t0, 2))
     result = jax.block_until_ready(fn(p.diff, p.fixed, p.cot))
     if jax.default_backend() != "cpu":  # again, into memory poisoned with NaN
         poison_free_memory(nbytes(result))
@@ -810,23 +838,31 @@ def check_backend(p: Prepared, step: Step, repeats: int) -> dict:
     row.update(status="pass" if ok else "fail", max_error=worst)
     # Mosaic GPU's interpreter (race detection on) takes seconds per call: not timed
     if case.timed and not (jax.default_backend() == "cpu" and name == "mosaic_gpu"):
-        row["timings"] = time_backend(p, case, name, fn, repeats)
+        row["timings"] = time_backend(p, step, fn, repeats)
     print(f"  {step.op:10s} {str(name):10s} {case.name:22s} {row['status']:5s} "
           f"max err {worst:.2e} (tol {case.tolerance:.0e}) compile {row['compile_s']} s",
           flush=True)
     return row
 
 
-def time_backend(p: Prepared, case: Case, name, fn, repeats: int) -> dict:
+# Ops also timed forward only (a second compile; the expert MLP and the layer are
+# timed as they train, forward + backward).
+FORWARD_TIMED = ("ragged_dot", "route", "permute", "combine")
+
+
+def time_backend(p: Prepared, step: Step, fn, repeats: int) -> dict:
     """{load: {"fwd": s, "fwd_bwd": s}} at the problem's timing loads (uniform and
     Zipf group sizes), else at the checked routing ("router" or "routed")."""
-    fwd, _ = compiled(lambda d, fixed: p.problem.fn(name)(d, fixed)[0], case.precision,
-                      p.diff, p.fixed)
     loads = ({k: jax.tree.map(jnp.asarray, v) for k, v in p.problem.loads.items()}
              or {"router" if p.problem.flops else "routed": p.fixed})
-    return {load: {"fwd": median_seconds(fwd, p.diff, fixed, repeats=repeats),
-                   "fwd_bwd": median_seconds(fn, p.diff, fixed, p.cot, repeats=repeats)}
-            for load, fixed in loads.items()}
+    out = {load: {"fwd_bwd": median_seconds(fn, p.diff, fixed, p.cot, repeats=repeats)}
+           for load, fixed in loads.items()}
+    if step.op in FORWARD_TIMED:
+        fwd, _ = compiled(lambda d, fixed: p.problem.fn(step.backend)(d, fixed)[0],
+                          step.case.precision, p.diff, p.fixed)
+        for load, fixed in loads.items():
+            out[load]["fwd"] = median_seconds(fwd, p.diff, fixed, repeats=repeats)
+    return out
 
 
 def peer_timings(case: Case, repeats: int) -> dict:
@@ -840,7 +876,10 @@ def peer_timings(case: Case, repeats: int) -> dict:
     w = [(jax.random.normal(k, (s.D, s.F), F32) * s.D ** -0.5).astype(dtype)
          for k in keys[1:3]] + [(jax.random.normal(keys[3], (s.F, s.D)) * s.F ** -0.5
                                  ).astype(dtype)]
-    dense = lambda a, b: jnp.dot(a, b, preferred_element_type=F32)  # noqa: E731
+    # In the compute dtype throughout, as a user writes it (float32 accumulation inside
+    # the GEMM): with float32 outputs the backward's cotangents would be float32 and its
+    # GEMMs float32 too, where the kernels' backward runs in bf16.
+    dense = jnp.dot
 
     def dense_bwd(a, b):
         out, vjp = jax.vjp(dense, a, b)
@@ -848,18 +887,18 @@ def peer_timings(case: Case, repeats: int) -> dict:
 
     def mlp(ws, a):
         h = jax.nn.silu(dense(a, ws[0])) * dense(a, ws[1])
-        return jnp.sum(dense(h.astype(a.dtype), ws[2]))
+        return jnp.sum(dense(h, ws[2]).astype(F32))
 
     def t(fn, *args):
         return median_seconds(jax.jit(fn), *args, repeats=repeats)
 
     router = jax.random.normal(keys[4], (s.D, s.E), dtype)
-    x = lhs[:s.T]
     peers = {
         "dense_gemm": {"fwd": t(dense, lhs, w[0]), "fwd_bwd": t(dense_bwd, lhs, w[0])},
-        "dense_swiglu_mlp": {"fwd": t(lambda ws, a: jnp.sum(mlp(ws, a)), w, lhs),
+        "dense_swiglu_mlp": {"fwd": t(mlp, w, lhs),
                              "fwd_bwd": t(jax.grad(mlp, argnums=(0, 1)), w, lhs)},
-        "router_gemm": {"fwd": t(dense, x, router)},
+        "router_gemm": {"fwd": t(lambda x, r: jnp.dot(x, r, preferred_element_type=F32),
+                                 lhs[:s.T], router)},
     }
     torch = _torch_cuda()
     if torch is not None and dtype == jnp.bfloat16:
@@ -950,7 +989,7 @@ def print_summary(data: dict) -> None:
     print("\n== correctness (max relative Frobenius error over outputs and gradients)")
     for c in data["checks"]:
         detail = (c.get("reason", "")[:70] if c["status"] == "refused" else
-                  f"{c['max_error']:.2e} / {c['tolerance']:.0e}  kernels {c['pallas_calls']}"
+                  f"{c['max_error']:.2e} / {c['tolerance']:.0e}  kernels {c['kernels']}"
                   + (f"  int mismatches {c['int_mismatches']}"
                      if any(c["int_mismatches"].values()) else ""))
         print(f"{c['op']:10s} {str(c['backend']):10s} {c['case']:24s} {c['status']:7s} "
@@ -979,6 +1018,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="a step running longer is killed and recorded as failed")
     parser.add_argument("--repeats", type=int, default=None,
                         help="timing samples (default 10; 1 with --dry-run)")
+    parser.add_argument("--only", default=None, metavar="REGEX",
+                        help="run the steps whose id matches, e.g. "
+                        "'check:mixtral/bfloat16:(ragged_dot|layer):triton' (ids: the JSON)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
