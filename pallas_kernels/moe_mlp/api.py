@@ -240,7 +240,8 @@ def moe_mlp(
       num_valid: routed rows (default ``sum(group_sizes)``).
       implementation: backend name or ordered list ("triton", "mosaic_gpu",
         "reference"); None = the platform default ("triton" then "reference" on GPU,
-        "reference" on CPU; Mosaic GPU's kernel is not timed on a GPU yet).
+        "reference" on CPU: at the Mixtral shape, T 4096, on an H200 forward and
+        backward took 35 ms on Triton and 65 ms on Mosaic GPU; ``gpu_check.py``).
       interpret: Pallas interpret mode; None = iff the default backend is the CPU
         (pass False to lower the real kernels, e.g. under ``jax.export``).
       tiles: the backend's tiles (``MoeMlpTiles`` for "triton", ``MosaicMoeMlpTiles``

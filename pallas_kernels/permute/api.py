@@ -123,7 +123,8 @@ def permute(
         all T*K rows.
       implementation: backend name or ordered list ("triton", "mosaic_gpu",
         "reference"); None = the platform default ("triton", then "reference", on GPU:
-        Mosaic GPU's per-row TMA gathers have not been timed against Triton on a GPU).
+        Mosaic GPU's per-row TMA gathers took 2.8x Triton's time on an H200, 0.130
+        against 0.046 ms at T 4096, D 4096, K 2; ``gpu_check.py``).
         interpret: Pallas interpret mode; None = on CPU.
     Returns:
       rows [T*K, D] in x's dtype. Backward: dx[t] = sum of drows over t's valid rows.

@@ -43,7 +43,11 @@ REGISTERED: tuple[str, ...] = ("reference", "triton", "mosaic_gpu")
 BACKENDS: dict[str, ModuleType] = {
     name: importlib.import_module(f"{__package__}.{name}") for name in REGISTERED
 }
-# Preferred order per ``jax.default_backend()``; names not registered are skipped.
+# Preferred order per ``jax.default_backend()``; names not registered are skipped. On an
+# H200 (gpu_check.py, bf16, uniform groups) Mosaic GPU's forward took 2.07 ms against
+# Triton's 2.69 at the Mixtral shape (8192 rows, D 4096, F 14336, E 8) and 0.22 against
+# 0.27 ms fine-grained (16384 rows, D 2048, F 768, E 128); forward and backward 6.6
+# against 8.6 and 0.89 against 1.01 ms.
 PREFERRED: dict[str, tuple[str, ...]] = {
     "gpu": ("mosaic_gpu", "triton", "reference"),
     "cuda": ("mosaic_gpu", "triton", "reference"),

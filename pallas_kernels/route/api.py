@@ -25,8 +25,9 @@ BACKENDS: dict[str, Callable[..., RouteOutput]] = {
     "triton": triton.route,
     "reference": reference.route,
 }
-# As for permute: the Mosaic GPU router is named explicitly until a GPU has timed it
-# against the Triton one.
+# Timed on an H200 (T 4096, D 4096, E 8, K 2; gpu_check.py): Triton 0.056 ms, the
+# reference 0.057, Mosaic GPU 0.065 forward; the router GEMM alone 0.041. Triton stays
+# first where a kernel is named; Mosaic GPU is named explicitly.
 DEFAULT_ORDER: dict[str, tuple[str, ...]] = {"gpu": ("triton", "reference")}
 
 

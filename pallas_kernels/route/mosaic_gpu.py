@@ -29,8 +29,9 @@ is at most 256 columns wide); K <= ``MAX_TOP_K``; compiled only on Hopper, or on
 CPU when cross-lowering with ``jax.export``. Interpret mode runs Pallas' Mosaic GPU
 interpreter with its race detector (``ragged_dot.mosaic_gpu.races_found``); the
 interpreter has no register layouts, so the layout annotations apply only when
-compiling. Never run on a GPU: untimed, and its register use is unknown (at Ep =
-256 one f32 [BT, Ep] tile is already 128 registers per thread, so expect spills).
+compiling. On an H200 (jax 0.11.2) it matched the reference at T 4096, D 4096, E 8
+and took 0.065 ms, Triton's 0.056 (``gpu_check.py``); its register use at Ep = 256 is
+unmeasured (one f32 [BT, Ep] tile is already 128 registers per thread: expect spills).
 """
 
 from __future__ import annotations
