@@ -62,6 +62,12 @@ def explicit_mesh(*arrays):
     return None
 
 
+def row_spec(a: jax.Array) -> P:
+    """The PartitionSpec of a [rows, columns] result that keeps ``a``'s row sharding."""
+    spec = jax.typeof(a).sharding.spec
+    return P(spec[0] if spec else None, None)
+
+
 def on_auto_axes(fn: Callable, *args, out_sharding):
     """``fn(*args)``; where some array of ``args`` is typed on a mesh with Explicit axes
     (e.g. made under ``jax.set_mesh``), with those axes made Auto

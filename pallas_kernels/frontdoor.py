@@ -78,10 +78,15 @@ def resolve_interpret(interpret: bool | None) -> bool:
     return jax.default_backend() == "cpu" if interpret is None else bool(interpret)
 
 
+# Backends written in plain jnp/lax: never interpreted.
+PLAIN_XLA: tuple[str, ...] = ("reference", "xla")
+
+
 def interprets(implementation: Implementation) -> bool:
-    """Whether ``implementation`` names a Pallas backend (not only "reference") and
-    kernels run in interpret mode here (``interpret=None`` on the CPU)."""
-    return (any(name != "reference" for name in named(implementation))
+    """Whether ``implementation`` names a Pallas backend (not only plain-XLA ones,
+    ``PLAIN_XLA``) and kernels run in interpret mode here (``interpret=None`` on the
+    CPU)."""
+    return (any(name not in PLAIN_XLA for name in named(implementation))
             and resolve_interpret(None))
 
 

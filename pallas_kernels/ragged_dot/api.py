@@ -39,7 +39,7 @@ from aristax.pallas_kernels.tiling import vary_alike
 
 OP = "ragged_dot"
 # Registering a backend module of this folder is adding its name here.
-REGISTERED: tuple[str, ...] = ("reference", "triton", "mosaic_gpu")
+REGISTERED: tuple[str, ...] = ("reference", "triton", "mosaic_gpu", "xla")
 BACKENDS: dict[str, ModuleType] = {
     name: importlib.import_module(f"{__package__}.{name}") for name in REGISTERED
 }
@@ -51,7 +51,7 @@ BACKENDS: dict[str, ModuleType] = {
 PREFERRED: dict[str, tuple[str, ...]] = {
     "gpu": ("mosaic_gpu", "triton", "reference"),
     "cuda": ("mosaic_gpu", "triton", "reference"),
-    "cpu": ("reference",),
+    "cpu": ("xla", "reference"),
 }
 
 
@@ -81,6 +81,23 @@ def _choose(names: Sequence[str], lhs, rhs, group_sizes, out_dtype, interpret) -
     """The first of ``names`` whose ``check`` accepts lhs[M, K] @ rhs[G, K, N]."""
     return frontdoor.first_serving(OP, BACKENDS, names, lhs, rhs, group_sizes, out_dtype,
                                    interpret=interpret)
+
+
+def row_alignment(num_rows: int, num_groups: int, dtype,
+                  implementation: str | Sequence[str] | None = None) -> int:
+    """Rows per tile that groups of a [num_rows, .] @ [num_groups, ., .] call in
+    ``dtype`` should be whole multiples of, for the backend that would serve it
+    (``implementation`` as in ``ragged_dot``): the "xla" backend's ``align`` (its
+    loops then skip masks, read-modify-writes and padded rows), else 1. A caller that lays each
+    group out from a multiple of it, zero-padded to one, gets the same result faster."""
+    names = frontdoor.candidates(OP, BACKENDS, default_order(), implementation)
+    lhs = jax.ShapeDtypeStruct((num_rows, 1), dtype)
+    rhs = jax.ShapeDtypeStruct((num_groups, 1, 1), dtype)
+    sizes = jax.ShapeDtypeStruct((num_groups,), jnp.int32)
+    name = _choose(names, lhs, rhs, sizes, dtype, frontdoor.resolve_interpret(None))
+    if name != "xla":
+        return 1
+    return BACKENDS["xla"].XlaTiles.for_shape(num_rows, num_groups).align
 
 
 def _tiles_for(tiles: Any, name: str) -> Any:

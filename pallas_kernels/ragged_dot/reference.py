@@ -13,9 +13,7 @@ from __future__ import annotations
 import functools
 
 import jax
-from jax.sharding import PartitionSpec as P
-
-from aristax.sharding import on_auto_axes
+from aristax.sharding import on_auto_axes, row_spec
 
 
 def check(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_dtype, *,
@@ -49,12 +47,7 @@ def ragged_dot(
     (``jax.sharding.auto_axes``); the result keeps lhs's row sharding.
     """
     op = functools.partial(_lax_ragged_dot, preferred_element_type=preferred_element_type)
-
-    def rows_like_lhs():
-        lhs_sharding = jax.typeof(lhs).sharding
-        return P(lhs_sharding.spec[0] if lhs_sharding.spec else None, None)
-
-    return on_auto_axes(op, lhs, rhs, group_sizes, out_sharding=rows_like_lhs)
+    return on_auto_axes(op, lhs, rhs, group_sizes, out_sharding=lambda: row_spec(lhs))
 
 
 def _lax_ragged_dot(lhs, rhs, group_sizes, preferred_element_type):

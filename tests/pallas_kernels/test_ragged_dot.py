@@ -27,10 +27,13 @@ from jax import export
 
 from cuda_export import export_for_cuda
 from aristax import MoEConfig, MoEParams, moe
+from aristax.pallas_kernels import frontdoor
 from aristax.pallas_kernels.ragged_dot import api
 from aristax.pallas_kernels.ragged_dot.triton import TritonTiles
+from aristax.pallas_kernels.ragged_dot.xla import XlaTiles
 
 KERNELS = [name for name in api.BACKENDS if name != "reference"]
+PALLAS = [name for name in KERNELS if name not in frontdoor.PLAIN_XLA]
 DTYPES = [jnp.float32, jnp.bfloat16]
 GPU_CALLS = ("__gpu$xla.gpu.triton", "mosaic_gpu_v2")
 
@@ -50,6 +53,8 @@ GEOMETRY = {
         block_m_tgmm=16, block_k_tgmm=32, block_n_tgmm=16), 16),
     # TMA / wgmma want K, N multiples of 64 and M of 8; the backend picks its tiles.
     "mosaic_gpu": Geometry((136, 64, 64, 5), None, 64),
+    # 16-row tiles: several per group, groups that end mid-tile and aligned groups
+    "xla": Geometry((67, 37, 45, 5), XlaTiles(block_m=16, align=8), 16),
 }
 
 
@@ -78,6 +83,7 @@ def group_cases(m: int, g: int, block_m: int) -> dict[str, np.ndarray]:
         "ones": fill(*[1] * g),  # sum G < M: trailing rows are zero
         "tile_plus_one": fill(*[block_m + 1] * g),
         "tile_aligned": fill(block_m, block_m, 0, 2 * block_m, 3),
+        "all_whole_tiles": fill(block_m, 0, 2 * block_m, block_m),  # every group aligned
         "sum_below_m": fill(m // 20, m // 3, 0, m // 7, m // 6),
     }
     rng = np.random.default_rng(m * g)
@@ -315,7 +321,7 @@ def test_bad_operands_name_the_argument(lhs_shape, rhs_shape, sizes, words):
 
 def test_default_order_lists_only_registered_backends():
     order = api.default_order()
-    assert order["cpu"] == ("reference",)
+    assert order["cpu"] == ("xla", "reference")
     assert order["gpu"] == tuple(n for n in ("mosaic_gpu", "triton", "reference")
                                  if n in api.BACKENDS)
 
@@ -347,7 +353,7 @@ def _count_gpu_kernels(exported) -> int:
     return sum(text.count(f'@"{call}"') + text.count(f"@{call}(") for call in GPU_CALLS)
 
 
-@pytest.mark.parametrize("name, case", [(name, case) for name in KERNELS
+@pytest.mark.parametrize("name, case", [(name, case) for name in PALLAS
                                         for case in EXPORT_CASES.get(name, DEFAULT_EXPORT_CASES)],
                          ids=lambda v: v if isinstance(v, str)
                          else f"{jnp.dtype(v[0])}-{'x'.join(map(str, v[1]))}-{v[2]}")
