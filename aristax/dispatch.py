@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from aristax.config import DROP_POLICIES, accumulation_dtype
+from aristax.pallas_kernels.tiling import vary_alike
 from aristax.routing import Routing
 
 
@@ -75,6 +76,31 @@ def dropless_dispatch(routing: Routing) -> Dispatch:
     )
 
 
+def align_groups(dispatch: Dispatch, multiple: int) -> Dispatch:
+    """A dropless ``dispatch`` with each expert's rows from a multiple of ``multiple``
+    and its group size rounded up to one (the rows added are padding: invalid, zero
+    after ``permute``, never read by ``combine``). Rows: the static bound
+    ceil((M + E * (multiple - 1)) / multiple) * multiple. ``multiple`` = 1 returns
+    ``dispatch``. For a grouped GEMM that runs whole tiles faster
+    (``pallas_kernels.ragged_dot.api.row_alignment``)."""
+    if multiple == 1:
+        return dispatch
+    M, E = dispatch.row_slot.shape[0], dispatch.group_sizes.shape[0]
+    rows = -(-(M + E * (multiple - 1)) // multiple) * multiple
+    sizes = dispatch.group_sizes
+    padded = (sizes + multiple - 1) // multiple * multiple
+    ends = jnp.cumsum(sizes, dtype=jnp.int32)
+    row = jnp.arange(M, dtype=jnp.int32)
+    expert = jnp.minimum(jnp.searchsorted(ends, row, side="right"), E - 1)
+    moved = (jnp.cumsum(padded, dtype=jnp.int32) - padded)[expert] + row - (ends - sizes)[expert]
+    new_row = jnp.where(dispatch.row_valid, moved, rows).astype(jnp.int32)  # rows: dropped
+    return dispatch.replace(
+        row_slot=jnp.zeros(rows, jnp.int32).at[new_row].set(dispatch.row_slot, mode="drop"),
+        row_valid=jnp.zeros(rows, bool).at[new_row].set(True, mode="drop"),
+        slot=jnp.take(new_row, dispatch.slot, mode="clip"),
+        group_sizes=padded.astype(jnp.int32))
+
+
 def _priority_order(routing: Routing, policy: str) -> jax.Array:
     """int32[T*K] flat slots from most to least entitled to a place in its expert."""
     T, K = routing.expert_ids.shape
@@ -122,20 +148,82 @@ def capacity_dispatch(routing: Routing, capacity: int, policy: str = "position")
 
 
 def permute(x: jax.Array, dispatch: Dispatch) -> jax.Array:
-    """Gather tokens into expert order: x[T, D] -> rows[M, D] (padding rows are 0)."""
-    rows = jnp.take(x, dispatch.row_token, axis=0)
-    return jnp.where(dispatch.row_valid[:, None], rows, jnp.zeros((), x.dtype))
+    """Gather tokens into expert order: x[T, D] -> rows[M, D] (padding rows are 0).
+
+    Backward: dx[t] = sum of drows over t's kept slots, gathered through ``slot``
+    (rows and kept slots are one to one): no scatter-add, which XLA:CPU runs slowly.
+    Inside ``shard_map`` the operands are cast to vary alike first (``vary_alike``), so
+    the ``custom_vjp``'s cotangents type like its inputs."""
+    return _permute(*vary_alike(x, dispatch.row_slot, dispatch.row_valid, dispatch.slot,
+                                dispatch.kept))
+
+
+@jax.custom_vjp
+def _permute(x, row_slot, row_valid, slot, kept):
+    rows = jnp.take(x, row_slot // slot.shape[1], axis=0)
+    return jnp.where(row_valid[:, None], rows, jnp.zeros((), x.dtype))
+
+
+def _permute_fwd(x, row_slot, row_valid, slot, kept):
+    return _permute(x, row_slot, row_valid, slot, kept), (row_slot, row_valid, slot, kept)
+
+
+def _permute_bwd(residuals, drows):
+    row_slot, row_valid, slot, kept = residuals
+    ones = jnp.ones(slot.shape, accumulation_dtype(drows.dtype))
+    dx = _weighted_rows(drows, slot, kept, ones)
+    return dx.astype(drows.dtype), None, None, None, None
+
+
+_permute.defvjp(_permute_fwd, _permute_bwd)
 
 
 def combine(rows: jax.Array, dispatch: Dispatch, weights: jax.Array) -> jax.Array:
     """Weighted sum back into token order: rows[M, D], weights[T, K] -> y[T, D].
 
     y[t] = sum_k weights[t, k] * rows[slot[t, k]] over kept slots, accumulated in at
-    least float32, at full precision (a weighted sum, as the combine kernels compute
-    it; JAX's default precision would round its float32 terms to TF32 on a GPU).
+    least float32, elementwise (full precision on every platform, as the combine
+    kernels compute it; a dot at JAX's default precision would be TF32 on a GPU).
+    Backward, by gathers (no scatter-add): drows[r] = weight of row r's slot *
+    dy[row r's token] on valid rows, dweights[t, k] = <dy[t], rows[slot[t, k]]>.
     """
+    return _combine(*vary_alike(rows, weights, dispatch.row_slot, dispatch.row_valid,
+                                dispatch.slot, dispatch.kept))
+
+
+def _weighted_rows(rows, slot, kept, w) -> jax.Array:
+    """sum_k w[t, k] * rows[slot[t, k]] over kept slots: [T, D] in w's dtype. A sum of
+    K products per element (exact in float32 on every platform), which XLA fuses with
+    the gather instead of materialising [T, K, D] for a batched dot."""
+    out = jnp.zeros((slot.shape[0], rows.shape[1]), w.dtype)
+    for k in range(slot.shape[1]):
+        picked = jnp.take(rows, slot[:, k], axis=0, mode="fill", fill_value=0)
+        out = out + jnp.where(kept[:, k, None], w[:, k, None] * picked.astype(w.dtype), 0.0)
+    return out
+
+
+@jax.custom_vjp
+def _combine(rows, weights, row_slot, row_valid, slot, kept):
     acc = accumulation_dtype(rows.dtype, weights.dtype)
-    w = jnp.where(dispatch.kept, weights.astype(acc), 0.0)
-    gathered = jnp.take(rows, dispatch.slot, axis=0, mode="fill", fill_value=0)  # [T,K,D]
-    gathered = jnp.where(dispatch.kept[..., None], gathered.astype(acc), 0.0)
-    return jnp.einsum("tk,tkd->td", w, gathered, precision=jax.lax.Precision.HIGHEST)
+    return _weighted_rows(rows, slot, kept, weights.astype(acc))
+
+
+def _combine_fwd(rows, weights, row_slot, row_valid, slot, kept):
+    y = _combine(rows, weights, row_slot, row_valid, slot, kept)
+    return y, (rows, weights, row_slot, row_valid, slot, kept)
+
+
+def _combine_bwd(residuals, dy):
+    rows, weights, row_slot, row_valid, slot, kept = residuals
+    K = slot.shape[1]
+    w_row = jnp.take(jnp.where(kept, weights.astype(dy.dtype), 0.0).reshape(-1), row_slot)
+    drows = jnp.where(row_valid[:, None],
+                      w_row[:, None] * jnp.take(dy, row_slot // K, axis=0), 0.0)
+    dweights = jnp.stack([
+        jnp.where(kept[:, k], jnp.sum(dy * jnp.take(rows, slot[:, k], axis=0, mode="fill",
+                                                     fill_value=0).astype(dy.dtype), axis=1),
+                  0.0) for k in range(K)], axis=1)
+    return drows.astype(rows.dtype), dweights.astype(weights.dtype), None, None, None, None
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)

@@ -19,6 +19,7 @@ from aristax.pallas_kernels import frontdoor
 from aristax.pallas_kernels.moe_mlp import fused_backend, moe_mlp
 from aristax.pallas_kernels.permute import api as permute_api
 from aristax.pallas_kernels.permute.reference import inverse_order
+from aristax.pallas_kernels.ragged_dot import api as ragged_dot_api
 from aristax.pallas_kernels.route import api as route_api
 from aristax.sharding import on_auto_axes
 
@@ -302,8 +303,9 @@ def routed_experts(
 ) -> jax.Array:
     """The routed experts' weighted sum y[T, D] (float32; float64 for float64 xc).
 
-    permute -> ``expert_mlp`` -> combine. When ``dispatch`` is ``dropless`` and
-    ``config.implementation`` names kernels: the fused ``moe_mlp`` does all three if
+    permute -> ``expert_mlp`` -> combine; a dropless layout for the platform's default
+    grouped GEMM is first aligned to its tiles (``dispatch.align_groups``). When
+    ``dispatch`` is ``dropless`` and ``config.implementation`` names kernels: the fused ``moe_mlp`` does all three if
     one of them serves it (``fused_experts``); else permute and combine run on the
     ``pallas_kernels`` backends it names that serve them (the reference where none
     does). xc: [T, D] in the compute dtype; weights: [T, K] combine weights.
@@ -314,6 +316,9 @@ def routed_experts(
                           implementation=config.implementation)
 
     if not dropless or config.implementation is None:
+        if dropless:  # each expert's rows from a whole tile of the grouped GEMM's backend
+            dispatch = dispatch_lib.align_groups(dispatch, ragged_dot_api.row_alignment(
+                dispatch.row_slot.shape[0], config.num_experts, xc.dtype))
         return dispatch_lib.combine(experts(dispatch_lib.permute(xc, dispatch)), dispatch,
                                     weights)
     order = dispatch.row_slot
