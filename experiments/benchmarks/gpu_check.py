@@ -167,10 +167,10 @@ GPU_PLAN = (
     Case(SMALL, "bfloat16"),
 )
 # The same path on the CPU: tiny shapes, every kernel in interpret mode, one timing.
+# (Unaligned shapes are left to the kernel tests, which run Triton at odd shapes.)
 DRY_PLAN = (
     Case(Shape("tiny", E=4, D=128, F=64, K=2, T=16), "bfloat16", timed=True),
     Case(Shape("tiny", E=4, D=128, F=64, K=2, T=16), "float32", "highest"),
-    Case(Shape("odd", E=3, D=40, F=24, K=2, T=7), "bfloat16"),
 )
 OPS = ("ragged_dot", "moe_mlp", "layer", "route", "permute", "combine")
 
