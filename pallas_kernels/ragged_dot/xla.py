@@ -71,11 +71,11 @@ class XlaTiles:
 
     @classmethod
     def for_shape(cls, m: int, num_groups: int) -> XlaTiles:
-        """block_m: half the mean group size as a power of two in [64, 512] (tiles large
-        enough for a dense product near full rate); align: block_m / 8 in [32, 64]
-        (experiments/benchmarks/ragged_dot_cpu.py measures the choices)."""
-        half = max(1, m // max(1, num_groups) // 2)
-        block = int(min(512, max(64, 1 << (half.bit_length() - 1))))
+        """block_m: the mean group size as a power of two in [64, 512]; align: block_m
+        / 8 in [32, 64]. (512, 64) ran fastest or level at every shape of
+        experiments/benchmarks/ragged_dot_cpu.py (mean groups of 512 to 1024 rows)."""
+        mean = max(1, m // max(1, num_groups))
+        block = int(min(512, max(64, 1 << (mean.bit_length() - 1))))
         return cls(block_m=block, align=min(block, max(32, min(64, block // 8))))
 
 

@@ -162,7 +162,8 @@ def test_tiles_validate_and_follow_the_mean_group():
         api.ragged_dot(jnp.ones((8, 4)), jnp.ones((2, 4, 4)), jnp.array([4, 4]),
                        implementation="xla", tiles=object())
     assert xla.XlaTiles.for_shape(8192, 8) == xla.XlaTiles(block_m=512, align=64)
-    assert xla.XlaTiles.for_shape(32768, 64) == xla.XlaTiles(block_m=256, align=32)
+    assert xla.XlaTiles.for_shape(32768, 64) == xla.XlaTiles(block_m=512, align=64)
+    assert xla.XlaTiles.for_shape(8192, 64) == xla.XlaTiles(block_m=128, align=32)
     assert xla.XlaTiles.for_shape(100, 64) == xla.XlaTiles(block_m=64, align=32)
 
 
@@ -170,7 +171,7 @@ def test_row_alignment_is_the_serving_backends_tile():
     if jax.default_backend() == "cpu":
         assert api.row_alignment(8192, 8, jnp.float32) == 64
     assert api.row_alignment(8192, 8, jnp.float32, "reference") == 1
-    assert api.row_alignment(32768, 64, jnp.float32, "xla") == 32
+    assert api.row_alignment(8192, 64, jnp.float32, "xla") == 32
 
 
 @pytest.mark.parametrize("multiple", [1, 4, 16])
