@@ -2,9 +2,9 @@
 
 For each shape and load (uniform, or Zipf-skewed group sizes) it times, in one run:
   * ``aristax.pallas_kernels.ragged_dot`` forward and forward+backward for every
-    backend that serves the platform (GPU: "mosaic_gpu", "triton", "reference"; CPU:
-    "reference" only: the Pallas backends run on CPU only in interpret mode, which is a
-    correctness tool, not a speed);
+    backend that serves the platform (GPU: "mosaic_gpu", "triton", "xla", "reference";
+    CPU: "xla" and "reference": the Pallas backends run on CPU only in interpret mode,
+    which is a correctness tool, not a speed);
   * ``jax.lax.ragged_dot`` (the peer XLA path);
   * a dense ``jnp.dot`` of the same FLOPs (the hardware ceiling, measured in the same
     run);
@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from aristax import MoEConfig, MoEParams, moe
-from aristax.pallas_kernels import ragged_dot, route
+from aristax.pallas_kernels import frontdoor, ragged_dot, route
 from aristax.pallas_kernels.ragged_dot import api as ragged_dot_api
 from aristax.pallas_kernels.route import api as route_api
 
@@ -97,9 +97,11 @@ def or_failure(what: dict, seconds) -> float | None:
 
 
 def available_backends(registry=ragged_dot_api.BACKENDS) -> list[str]:
-    """Backends worth timing here: every registered one on GPU, the reference on CPU."""
+    """Backends worth timing here: every registered one on GPU; on CPU the plain-XLA
+    ones (Pallas runs there only interpreted)."""
     if jax.default_backend() == "cpu":
-        return ["reference"]
+        return [n for n in registry if n in frontdoor.PLAIN_XLA and n != "reference"] + [
+            "reference"]
     return [n for n in registry if n != "reference"] + ["reference"]
 
 

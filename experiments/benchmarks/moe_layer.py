@@ -1,0 +1,217 @@
+"""One MoE layer's forward + backward: aristax.MoE against the dense ceiling, GShard and HF.
+
+For each shape (T tokens, D model dim, F expert hidden dim, E experts, K per token)
+and routing load, float32, in one run, interleaved rounds (each contender once per
+round; medians of its times and of its per-round ratios):
+
+* ``aristax.MoE`` (the nnx layer, Mixtral routing: softmax top-K renormalised),
+  forward + backward under ``nnx.jit`` (the loss: sum of y plus the aux loss);
+* the ceiling: a dense SwiGLU MLP of hidden K*F on all T tokens (the same FLOPs), JAX;
+* the GShard one-hot einsum layer (capacity factor 1.0: dispatch and combine tensors
+  [T, E, C], C = T*K/E; the overflow is dropped), JAX, the same weights;
+* Hugging Face ``MixtralSparseMoeBlock`` with experts implementation "eager" (a loop
+  over experts) and "grouped_mm" (``torch._grouped_mm``), torch using as many
+  threads as JAX (the machine's cores), the same weights and routing.
+
+Loads: "uniform" (a random router), "zipf" (a constant input feature whose router
+weights are log Zipf(1.2) shares in random order, so a few experts take most tokens).
+Default shapes are the issue's: (4096, 512, 1024, 8, 2), (4096, 512, 256, 32, 4),
+(4096, 512, 128, 64, 8). Results: ``results/moe_layer_<platform>.json`` beside this
+script, with the machine.
+
+Usage: python experiments/benchmarks/moe_layer.py [--shapes T,D,F,E,K;...]
+       [--loads uniform,zipf] [--rounds 5] [--no-hf] [--out OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from aristax import MoE, MoEConfig
+
+SHAPES = "4096,512,1024,8,2;4096,512,256,32,4;4096,512,128,64,8"
+
+
+def machine() -> dict:
+    return {"platform": platform.platform(), "processor": platform.processor(),
+            "cpu_count": os.cpu_count(), "python": platform.python_version(),
+            "jax": jax.__version__, "backend": jax.default_backend(),
+            "devices": [str(getattr(d, "device_kind", d)) for d in jax.devices()]}
+
+
+def weights(T, D, F, E, load: str, seed: int = 0) -> dict[str, np.ndarray]:
+    """Router [D, E], gate/up [E, D, F], down [E, F, D] and x [T, D] (float32). With
+    load "zipf", x[:, 0] = 1 and router row 0 holds log Zipf shares, skewing routing."""
+    rng = np.random.default_rng(seed)
+    w = {"router": rng.standard_normal((D, E)) * D ** -0.5,
+         "gate": rng.standard_normal((E, D, F)) * D ** -0.5,
+         "up": rng.standard_normal((E, D, F)) * D ** -0.5,
+         "down": rng.standard_normal((E, F, D)) * F ** -0.5,
+         "x": rng.standard_normal((T, D))}
+    if load == "zipf":
+        w["x"][:, 0] = 1.0
+        w["router"][0] = np.log(rng.permutation(1.0 / np.arange(1, E + 1) ** 1.2))
+    return {k: v.astype(np.float32) for k, v in w.items()}
+
+
+def aristax_step(w, K):
+    """nnx.jit(value_and_grad) of the aristax.MoE layer holding ``w``."""
+    (D, E), F = w["router"].shape, w["gate"].shape[2]
+    layer = MoE(MoEConfig(num_experts=E, top_k=K, d_model=D, d_ff=F, normalize_weights=True),
+                rngs=nnx.Rngs(0))
+    layer.router.weight_de.set_value(jnp.asarray(w["router"]))
+    for name, key in (("gate_edf", "gate"), ("up_edf", "up"), ("down_efd", "down")):
+        getattr(layer.experts, name).set_value(jnp.asarray(w[key]))
+
+    @nnx.jit
+    def step(layer, x):
+        def loss(layer, x):
+            y, aux = layer(x)
+            return jnp.sum(y) + aux["loss"]
+        return nnx.value_and_grad(loss, argnums=(0, 1))(layer, x)
+    x = jnp.asarray(w["x"])
+    return lambda: step(layer, x)
+
+
+def dense_step(w, K):
+    """The ceiling: SwiGLU MLP of hidden K*F on all T tokens, forward + backward."""
+    rng = np.random.default_rng(1)
+    (D, _), F = w["router"].shape, w["gate"].shape[2]
+    mats = [jnp.asarray(rng.standard_normal(s) * s[0] ** -0.5, jnp.float32)
+            for s in ((D, K * F), (D, K * F), (K * F, D))]
+
+    @jax.jit
+    def step(mats, x):
+        def loss(mats, x):
+            h = jax.nn.silu(x @ mats[0]) * (x @ mats[1])
+            return jnp.sum(h @ mats[2])
+        return jax.value_and_grad(loss, argnums=(0, 1))(mats, x)
+    x = jnp.asarray(w["x"])
+    return lambda: step(mats, x)
+
+
+def gshard_layer(params, x, K: int, capacity: int):
+    """GShard's dense dispatch: Mixtral routing, then each slot's place in its expert
+    (top-1 choices of all tokens first), kept under ``capacity``; one-hot dispatch and
+    combine tensors [T, E, C] and einsums."""
+    E = params["router"].shape[1]
+    probs = jax.nn.softmax(x @ params["router"], axis=-1)
+    top, ids = jax.lax.top_k(probs, K)
+    top = top / jnp.sum(top, axis=-1, keepdims=True)
+    onehot = jax.nn.one_hot(ids, E)                          # [T, K, E]
+    by_round = jnp.swapaxes(onehot, 0, 1).reshape(-1, E)     # [K*T, E], top-1 first
+    place = (jnp.cumsum(by_round, axis=0) - by_round).reshape(K, -1, E).swapaxes(0, 1)
+    place = jnp.sum(place * onehot, axis=-1).astype(jnp.int32)       # [T, K]
+    kept = (place < capacity)[..., None, None]
+    slot = jax.nn.one_hot(place, capacity)                   # [T, K, C]
+    dispatch = jnp.sum(jnp.where(kept, onehot[..., None] * slot[:, :, None], 0), axis=1)
+    combine = jnp.sum(jnp.where(kept, (top[..., None] * onehot)[..., None]
+                                * slot[:, :, None], 0), axis=1)  # [T, E, C]
+    xe = jnp.einsum("tec,td->ecd", dispatch, x)
+    h = jax.nn.silu(jnp.einsum("ecd,edf->ecf", xe, params["gate"])) * jnp.einsum(
+        "ecd,edf->ecf", xe, params["up"])
+    return jnp.einsum("tec,ecd->td", combine, jnp.einsum("ecf,efd->ecd", h, params["down"]))
+
+
+def gshard_step(w, K):
+    T, E = w["x"].shape[0], w["router"].shape[1]
+    capacity = math.ceil(T * K / E)
+    params = {k: jnp.asarray(w[k]) for k in ("router", "gate", "up", "down")}
+
+    @jax.jit
+    def step(params, x):
+        return jax.value_and_grad(lambda p, x: jnp.sum(gshard_layer(p, x, K, capacity)),
+                                  argnums=(0, 1))(params, x)
+    x = jnp.asarray(w["x"])
+    return lambda: step(params, x)
+
+
+def hf_step(w, K, implementation: str):
+    """HF MixtralSparseMoeBlock (transformers 5) forward + backward, or None when torch
+    or transformers is missing."""
+    try:
+        import torch
+        from transformers import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    except ImportError:
+        return None
+    torch.set_num_threads(os.cpu_count())
+    (D, E), F = w["router"].shape, w["gate"].shape[2]
+    cfg = MixtralConfig(hidden_size=D, intermediate_size=F, num_local_experts=E,
+                        num_experts_per_tok=K, experts_implementation=implementation)
+    block = MixtralSparseMoeBlock(cfg).float()
+    with torch.no_grad():
+        block.gate.weight.copy_(torch.from_numpy(w["router"].T.copy()))
+        block.experts.gate_up_proj.copy_(torch.from_numpy(np.concatenate(
+            [w["gate"], w["up"]], axis=2).transpose(0, 2, 1).copy()))
+        block.experts.down_proj.copy_(torch.from_numpy(w["down"].transpose(0, 2, 1).copy()))
+    x = torch.from_numpy(w["x"]).unsqueeze(0).requires_grad_()
+
+    def step():
+        block.zero_grad(set_to_none=True)
+        x.grad = None
+        block(x).sum().backward()
+    return step
+
+
+def bench(T, D, F, E, K, load, rounds, with_hf) -> dict:
+    w = weights(T, D, F, E, load)
+    steps = {"aristax.MoE": aristax_step(w, K), "dense_mlp (ceiling)": dense_step(w, K),
+             "gshard_einsum": gshard_step(w, K)}
+    if with_hf:
+        for impl in ("eager", "grouped_mm"):
+            step = hf_step(w, K, impl)
+            if step is not None:
+                steps[f"hf_{impl}"] = step
+    for step in steps.values():  # compile and warm up
+        jax.block_until_ready(step())
+    times = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(step())
+            times[name].append(time.perf_counter() - t0)
+    ours = np.array(times["aristax.MoE"])
+    row = {"shape": dict(T=T, D=D, F=F, E=E, K=K), "load": load, "rounds": rounds,
+           "median_ms": {n: 1e3 * float(np.median(t)) for n, t in times.items()},
+           "ours_over": {n: float(np.median(ours / np.array(t)))
+                         for n, t in times.items() if n != "aristax.MoE"}}
+    print(f"T{T} D{D} F{F} E{E} K{K} {load:7s} " + "  ".join(
+        f"{n} {ms:7.0f} ms" for n, ms in row["median_ms"].items()))
+    print("    aristax time over: " + "  ".join(f"{n} x{r:.2f}" for n, r in row["ours_over"].items()))
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=SHAPES, help="T,D,F,E,K;... ")
+    parser.add_argument("--loads", default="uniform,zipf")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    out = Path(args.out or Path(__file__).resolve().parent / "results"
+               / f"moe_layer_{jax.default_backend()}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {"machine": machine(), "dtype": "float32", "rows": []}
+    for shape in args.shapes.split(";"):
+        T, D, F, E, K = (int(v) for v in shape.split(","))
+        for load in args.loads.split(","):
+            result["rows"].append(bench(T, D, F, E, K, load, args.rounds, not args.no_hf))
+            out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
