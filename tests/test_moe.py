@@ -98,6 +98,23 @@ def test_vmap_over_tokens_says_how_to_batch_instead():
     np.testing.assert_allclose(looped, flat, rtol=1e-6, atol=1e-6)
 
 
+def test_vmap_over_tokens_runs_on_the_xla_grouped_gemm():
+    """The CPU default grouped GEMM (a loop of dense products) batches under jax.vmap
+    with shared weights: values and weight gradients equal a jax.lax.map loop."""
+    cfg = MoEConfig(num_experts=4, top_k=2, d_model=8, d_ff=8, implementation="xla")
+    params = make(cfg).params()
+    x = jax.random.normal(jax.random.key(3), (3, 5, 8))
+
+    def loss(params, batched):
+        ys = batched(lambda xb: moe(xb, params, cfg)[0], x)
+        return jnp.sum(jnp.sin(ys)), ys
+
+    vmapped = jax.grad(loss, has_aux=True)(params, lambda f, x: jax.vmap(f)(x))
+    looped = jax.grad(loss, has_aux=True)(params, jax.lax.map)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                 vmapped, looped)
+
+
 def test_capacity_is_the_exact_ceiling_of_the_decimal_factor():
     """C = ceil(tenths/10 * T * K / E) in integers; the float product (1.1 * 100 / 2 =
     55.00000000000001) gave one slot too many in 1,677 of 387,072 cases."""
