@@ -85,11 +85,15 @@ def _choose(names: Sequence[str], lhs, rhs, group_sizes, out_dtype, interpret) -
 
 def row_alignment(num_rows: int, num_groups: int, dtype,
                   implementation: str | Sequence[str] | None = None) -> int:
-    """Rows per tile that groups of a [num_rows, .] @ [num_groups, ., .] call in
-    ``dtype`` should be whole multiples of, for the backend that would serve it
-    (``implementation`` as in ``ragged_dot``): the "xla" backend's ``align`` (its
-    loops then skip masks, read-modify-writes and padded rows), else 1. A caller that lays each
-    group out from a multiple of it, zero-padded to one, gets the same result faster."""
+    """The multiple that groups of a [num_rows, .] @ [num_groups, ., .] call in ``dtype``
+    should be laid out in, for the backend that would serve it (``implementation`` as
+    in ``ragged_dot``): the "xla" backend's ``align`` (its loops then skip masks,
+    read-modify-writes and padded copies), else 1. A caller that lays each group out
+    from a multiple of it, zero-padded to one (``dispatch.align_groups``), gets the
+    same result faster. The padding adds up to num_groups * (align - 1) rows, and the
+    backend picks its tiles from the padded count: the multiple is the largest align
+    of any count up to num_rows + num_groups * (MAX_ALIGN - 1), which every smaller
+    power-of-two align divides."""
     names = frontdoor.candidates(OP, BACKENDS, default_order(), implementation)
     lhs = jax.ShapeDtypeStruct((num_rows, 1), dtype)
     rhs = jax.ShapeDtypeStruct((num_groups, 1, 1), dtype)
@@ -97,7 +101,9 @@ def row_alignment(num_rows: int, num_groups: int, dtype,
     name = _choose(names, lhs, rhs, sizes, dtype, frontdoor.resolve_interpret(None))
     if name != "xla":
         return 1
-    return BACKENDS["xla"].XlaTiles.for_shape(num_rows, num_groups).align
+    xla = BACKENDS["xla"]
+    most = num_rows + num_groups * (xla.MAX_ALIGN - 1)
+    return max(xla.XlaTiles.for_shape(rows, num_groups).align for rows in (num_rows, most))
 
 
 def _tiles_for(tiles: Any, name: str) -> Any:

@@ -1,31 +1,34 @@
 """Plain-XLA backend of the grouped GEMM: a loop over row tiles, each one dense product
 with its group's weights. No Pallas: compiled (never interpreted) on every platform.
 
-Letters: M rows, K contraction, N output columns, G groups, b = ``block_m`` rows per
-tile; group g owns rows [start_g, end_g) with end = cumsum(group_sizes) clipped to M.
+Letters: M rows, K contraction, N output columns, G groups; group g owns rows
+[start_g, end_g) with end = cumsum(group_sizes) clipped to M. Tiles: ``XlaTiles``
+(b = ``block_m`` rows per full tile, a = ``align`` rows per remainder tile).
 
-Each group is cut into cdiv(size_g, b) tiles of b rows from its own start, so the
-work is the routed rows plus fewer than b rows per non-empty group (never G times
-the rows, as ``jax.lax.ragged_dot`` on XLA:CPU, which masks lhs into [G, M, K]). The
-tiles are visited by a ``lax.fori_loop`` whose trip count is the number of tiles
-(traced): empty groups cost nothing.
+The work is the routed rows (``jax.lax.ragged_dot`` on XLA:CPU masks lhs into
+[G, M, K]: G times the work and the memory). Tiles are visited by ``lax.fori_loop``s
+whose trip counts are traced, so empty groups cost nothing. Two loop forms:
 
-gmm (out[m] = lhs[m] @ rhs[g(m)]): a step takes its tile's b rows (a dynamic slice),
-multiplies them by rhs[g] and writes back the rows that belong to g (the tile's
-other rows, the next group's, keep what they hold). When every group size is a
-multiple of b and M is too (``aristax.dispatch.align_groups`` lays rows out so for
-this backend), the tiles are aligned to b and the step writes its whole product,
-with no mask, no read-modify-write and no padded copy of lhs; ``lax.cond`` picks
-that loop from the group sizes at run time, so any input gets exact results. Rows past sum(group_sizes) are 0.
+* aligned, when every group (and M) is a whole multiple of a (``aristax.dispatch.
+  align_groups`` lays the MoE layer's rows out so): each group's first
+  floor(size / b) * b rows in full b-row tiles, the rest in a-row tiles; every tile
+  lies inside its group, so a step writes (gmm) or accumulates (tgmm) its whole
+  product, with no mask, no read-modify-write of the output and no padded copy;
+* masked, for any other input: each group cut into cdiv(size, b) tiles from its own
+  start; a gmm step writes back only its group's rows of the tile (the rest keep what
+  they hold), a tgmm step masks them to 0; lhs is padded by b rows so no tile runs
+  past M.
 
-tgmm (out[g] = lhs[rows of g]^T @ dout[rows of g]): the same tiles; each step adds
-lhs_tile^T @ dout_tile to out[g] in float32 (the tile's rows past its group's end
-masked to 0, unless every group is whole tiles).
+``lax.cond`` picks the form from the group sizes at run time, so every input gets
+exact results; products under ``SMALL_PRODUCT`` multiply-adds compile only the masked
+form. gmm: out[m] = lhs[m] @ rhs[g(m)], rows past sum(group_sizes) are 0. tgmm:
+out[g] = lhs[rows of g]^T @ dout[rows of g]. Products accumulate in float32 (float64
+for float64 inputs, the output dtype for integers) at ``jax.default_matmul_precision``.
 
-Products accumulate in float32 (float64 for float64 inputs, the dtype given for
-integers) at ``jax.default_matmul_precision``, as the reference's. On the 2-core CPU
-of this project a b = 256 tile runs at 0.9-1.0x the rate of one dense product of all
-rows when aligned (experiments/benchmarks/ragged_dot_cpu.py measures the choices).
+On the 2-core Xeon VM of this project (experiments/benchmarks/ragged_dot_cpu.py,
+float32, results/ragged_dot_cpu.json) aligned (512, 64) tiles ran at 0.6-1.2x the rate
+of one dense product of the routed rows forward and 0.67-1.1x forward + backward,
+masked tiles at 0.3-0.9x, lax.ragged_dot at 0.01-0.17x.
 """
 
 from __future__ import annotations
@@ -36,11 +39,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
-
 from jax.sharding import PartitionSpec as P
 
 from aristax.pallas_kernels.tiling import is_pow2, varying_like
 from aristax.sharding import on_auto_axes, row_spec
+
+
+# The largest align ``XlaTiles.for_shape`` picks; it grows with the row count.
+MAX_ALIGN = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +82,7 @@ class XlaTiles:
         experiments/benchmarks/ragged_dot_cpu.py (mean groups of 512 to 1024 rows)."""
         mean = max(1, m // max(1, num_groups))
         block = int(min(512, max(64, 1 << (mean.bit_length() - 1))))
-        return cls(block_m=block, align=min(block, max(32, min(64, block // 8))))
+        return cls(block_m=block, align=min(block, max(32, min(MAX_ALIGN, block // 8))))
 
 
 def resolve_tiles(tiles, m: int, num_groups: int) -> XlaTiles:
@@ -158,8 +164,7 @@ def masked_schedule(group_sizes: jax.Array, m: int, b: int) -> Tiles:
 
 
 def _aligned(group_sizes: jax.Array, m: int, align: int) -> jax.Array:
-    """Whether every group (clipped to M) is a whole multiple of ``align`` (the caller
-    takes the unmasked loops only where M is one too)."""
+    """Whether every group (clipped to M) is a whole multiple of ``align``."""
     starts, ends = group_bounds(group_sizes, m)
     return jnp.all((ends - starts) % align == 0)
 
@@ -170,10 +175,15 @@ def _aligned(group_sizes: jax.Array, m: int, align: int) -> jax.Array:
 SMALL_PRODUCT = 1 << 22
 
 
-def _masked_only(m: int, k: int, n: int, align: int) -> bool:
-    """Whether to compile only the masked loop: rows that can never be whole
-    multiples of ``align``, or a small product."""
-    return m % align != 0 or m * k * n < SMALL_PRODUCT
+def _by_form(aligned, masked, group_sizes, shape: tuple[int, int, int], align: int,
+             *operands):
+    """``aligned(*operands)`` where every group is a whole multiple of ``align`` (a
+    run-time choice), else ``masked(*operands)``; only ``masked`` is compiled where M
+    is no multiple of ``align`` or the product (M, K, N) is small."""
+    m, k, n = shape
+    if m % align or m * k * n < SMALL_PRODUCT:
+        return masked(*operands)
+    return lax.cond(_aligned(group_sizes, m, align), aligned, masked, *operands)
 
 
 def _zeros_like_operands(*operands):
@@ -235,9 +245,7 @@ def _gmm(lhs, rhs, group_sizes, tiles: XlaTiles, out_dtype) -> jax.Array:
         sched = masked_schedule(group_sizes, m, b)
         return run(zeros((m + b, n), out_dtype), lhs, sched, b, masked=True)[:m]
 
-    if _masked_only(m, k, n, tiles.align):
-        return masked(lhs, group_sizes)
-    return lax.cond(_aligned(group_sizes, m, tiles.align), aligned, masked, lhs, group_sizes)
+    return _by_form(aligned, masked, group_sizes, (m, k, n), tiles.align, lhs, group_sizes)
 
 
 def tgmm(lhs, dout, group_sizes, *, out_dtype, tiles=None, interpret=False) -> jax.Array:
@@ -290,8 +298,6 @@ def _tgmm(lhs, dout, group_sizes, tiles: XlaTiles, out_dtype) -> jax.Array:
         return run(zeros((g, k, n), acc), lhs, dout, masked_schedule(group_sizes, m, b), b,
                    masked=True)
 
-    if _masked_only(m, k, n, tiles.align):
-        return masked(lhs, dout, group_sizes).astype(out_dtype)
-    out = lax.cond(_aligned(group_sizes, m, tiles.align), aligned, masked, lhs, dout,
+    out = _by_form(aligned, masked, group_sizes, (m, k, n), tiles.align, lhs, dout,
                    group_sizes)
     return out.astype(out_dtype)

@@ -174,6 +174,18 @@ def test_row_alignment_is_the_serving_backends_tile():
     assert api.row_alignment(8192, 64, jnp.float32, "xla") == 32
 
 
+def test_the_layers_padded_rows_keep_the_tiles_it_was_aligned_for():
+    """Padding adds rows, and the backend picks its tiles from the padded count: the
+    multiple ``row_alignment`` gives is one the backend's align divides, for any count
+    the padding can reach (else every call would take the masked loop)."""
+    for m in list(range(64, 9000, 37)) + [7680, 7936, 8192, 15872, 16384, 32768]:
+        for g in (1, 4, 8, 31, 64, 128):
+            multiple = api.row_alignment(m, g, jnp.float32, "xla")
+            padded = -(-(m + g * (multiple - 1)) // multiple) * multiple
+            for rows in (m, padded):
+                assert multiple % xla.XlaTiles.for_shape(rows, g).align == 0, (m, g, rows)
+
+
 @pytest.mark.parametrize("multiple", [1, 4, 16])
 def test_aligned_dispatch_is_the_same_layer(multiple):
     """align_groups moves each expert's rows to a multiple of ``multiple`` and pads its
