@@ -105,6 +105,10 @@ from aristax.pallas_kernels.permute import api as permute_api  # noqa: E402
 from aristax.pallas_kernels.ragged_dot import api as ragged_dot_api  # noqa: E402
 from aristax.pallas_kernels.route import api as route_api  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# kernels.py's timing loads: uniform, or Zipf(1.2) shares in random order
+from kernels import group_sizes as load_group_sizes  # noqa: E402
+
 HIGHEST = jax.lax.Precision.HIGHEST
 F32 = jnp.float32
 
@@ -201,19 +205,6 @@ def hard_group_sizes(rows: int, groups: int, rng: np.random.Generator) -> np.nda
     share[heavy] += share.sum()
     sizes = np.floor(share / share.sum() * total).astype(np.int64)
     sizes[heavy] += total - sizes.sum()
-    return sizes.astype(np.int32)
-
-
-def load_group_sizes(rows: int, groups: int, load: str, seed: int = 0) -> np.ndarray:
-    """int32[G] summing to ``rows``: uniform, or Zipf(s=1.2) shares in random order
-    (``kernels.py``'s timing loads)."""
-    if load == "uniform":
-        sizes = np.full(groups, rows // groups)
-    else:
-        share = 1.0 / np.arange(1, groups + 1) ** 1.2
-        np.random.default_rng(seed).shuffle(share)
-        sizes = np.floor(share / share.sum() * rows).astype(np.int64)
-    sizes[0] += rows - sizes.sum()
     return sizes.astype(np.int32)
 
 
