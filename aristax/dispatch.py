@@ -44,10 +44,6 @@ class Dispatch:
     num_routed: jax.Array
     num_dropped: jax.Array
 
-    @property
-    def row_token(self) -> jax.Array:
-        """int32[M] token that feeds each row."""
-        return self.row_slot // self.slot.shape[1]
 
 
 def _flat_expert_ids(routing: Routing) -> jax.Array:

@@ -21,7 +21,7 @@ from aristax.pallas_kernels.permute import api as permute_api
 from aristax.pallas_kernels.permute.reference import inverse_order
 from aristax.pallas_kernels.ragged_dot import api as ragged_dot_api
 from aristax.pallas_kernels.route import api as route_api
-from aristax.sharding import on_auto_axes
+from aristax.sharding import on_auto_axes, row_spec
 
 
 @flax.struct.dataclass
@@ -191,8 +191,7 @@ def moe(
         return _moe(x, params, config, bias, jitter_rng, seq_len)
 
     def rows_like_x():
-        spec = jax.typeof(x).sharding.spec
-        row = P(spec[0] if spec else None, None)
+        row = row_spec(x)
         shapes = jax.eval_shape(layer, *jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (x, params, bias, jitter_rng)))
         return jax.tree.map(lambda s: row if s.ndim == 2 else P(), shapes)  # [T, .]

@@ -167,3 +167,20 @@ def forward(x, p, cfg, pl, xnp=np):
             yt = yt + h @ p["shared_down_fd"]
         out.append(yt)
     return xnp.stack(out)
+
+
+def ragged_dot_with_grads(lhs, rhs, sizes, dout):
+    """out[m] = lhs[m] @ rhs[g(m)] (group g owns the next sizes[g] rows, clipped to M;
+    rows past the sum are 0) and its gradients dlhs, drhs for the cotangent dout, in
+    float64 by a loop over the groups: the grouped GEMM's oracle."""
+    lhs, rhs, dout = (np.asarray(a, np.float64) for a in (lhs, rhs, dout))
+    out, dlhs, drhs = np.zeros((len(lhs), rhs.shape[2])), np.zeros_like(lhs), np.zeros_like(rhs)
+    start = 0
+    for g, size in enumerate(np.minimum(np.cumsum(sizes), len(lhs)) - np.minimum(
+            np.cumsum(sizes) - sizes, len(lhs))):
+        rows = slice(start, start + size)
+        out[rows] = lhs[rows] @ rhs[g]
+        dlhs[rows] = dout[rows] @ rhs[g].T
+        drhs[g] = lhs[rows].T @ dout[rows]
+        start += size
+    return out, dlhs, drhs

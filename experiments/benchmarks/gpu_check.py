@@ -289,7 +289,7 @@ class Problem:
     fixed: dict
     fn: Callable[[object], Callable]
     reference: Callable
-    flops: float = 0.0  # forward FLOPs (timed cases)
+    load: str = "routed"  # the timing load's name where ``loads`` is empty
     loads: dict = dataclasses.field(default_factory=dict)  # name -> fixed (timing)
 
 
@@ -311,7 +311,7 @@ def ragged_dot_problem(s: Shape, dtype, rng) -> Problem:
 
     loads = {load: dict(group_sizes=load_group_sizes(M, s.E, load))
              for load in ("uniform", "zipf")}
-    return Problem(diff, dict(group_sizes=sizes), fn, reference, 2.0 * M * s.D * s.F, loads)
+    return Problem(diff, dict(group_sizes=sizes), fn, reference, loads=loads)
 
 
 def moe_mlp_problem(s: Shape, dtype, rng) -> Problem:
@@ -335,7 +335,7 @@ def moe_mlp_problem(s: Shape, dtype, rng) -> Problem:
                                     fixed["sort_order"], fixed["group_sizes"],
                                     fixed["num_valid"], top_k=s.K, max_group=window)), {}
 
-    return Problem(diff, r, fn, reference, 3 * 2.0 * s.T * s.K * s.D * s.F)
+    return Problem(diff, r, fn, reference, load="router")
 
 
 def layer_problem(s: Shape, dtype, rng) -> Problem:
@@ -360,7 +360,7 @@ def layer_problem(s: Shape, dtype, rng) -> Problem:
         return f
 
     return Problem(diff, {}, lambda name: layer(name, dtype), layer("reference", "float32"),
-                   3 * 2.0 * s.T * s.K * s.D * s.F)
+                   load="router")
 
 
 def route_problem(s: Shape, dtype, rng) -> Problem:
@@ -375,7 +375,7 @@ def route_problem(s: Shape, dtype, rng) -> Problem:
                          sort_order=out.sort_order))
         return f
 
-    return Problem(diff, {}, fn, fn("reference"), 2.0 * s.T * s.D * s.E)
+    return Problem(diff, {}, fn, fn("reference"), load="router")
 
 
 def permute_problem(s: Shape, dtype, rng) -> Problem:
@@ -845,7 +845,7 @@ def time_backend(p: Prepared, step: Step, fn, repeats: int) -> dict:
     """{load: {"fwd": s, "fwd_bwd": s}} at the problem's timing loads (uniform and
     Zipf group sizes), else at the checked routing ("router" or "routed")."""
     loads = ({k: jax.tree.map(jnp.asarray, v) for k, v in p.problem.loads.items()}
-             or {"router" if p.problem.flops else "routed": p.fixed})
+             or {p.problem.load: p.fixed})
     out = {load: {"fwd_bwd": median_seconds(fn, p.diff, fixed, p.cot, repeats=repeats)}
            for load, fixed in loads.items()}
     if step.op in FORWARD_TIMED:

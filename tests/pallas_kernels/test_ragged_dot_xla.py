@@ -10,24 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import moe_reference as ref
 from aristax import MoEConfig, routing as routing_lib
 from aristax import dispatch as dispatch_lib
 from aristax.pallas_kernels.ragged_dot import api, xla
-
-
-def numpy_ragged(lhs, rhs, sizes, dout):
-    """out, dlhs, drhs of out[m] = lhs[m] @ rhs[g(m)] for the cotangent dout (float64)."""
-    lhs, rhs, dout = (np.asarray(a, np.float64) for a in (lhs, rhs, dout))
-    out, dlhs, drhs = np.zeros((len(lhs), rhs.shape[2])), np.zeros_like(lhs), np.zeros_like(rhs)
-    start = 0
-    for g, size in enumerate(np.minimum(np.cumsum(sizes), len(lhs)) - np.minimum(
-            np.cumsum(sizes) - sizes, len(lhs))):
-        rows = slice(start, start + size)
-        out[rows] = lhs[rows] @ rhs[g]
-        dlhs[rows] = dout[rows] @ rhs[g].T
-        drhs[g] = lhs[rows].T @ dout[rows]
-        start += size
-    return out, dlhs, drhs
 
 
 def value_and_grads(lhs, rhs, sizes, dout, tiles):
@@ -60,7 +46,7 @@ def test_both_loops_equal_numpy_on_whole_tiles(sizes, loop, monkeypatch):
     lhs, rhs, dout = operands(sum(sizes), 64, 24, 40, 4)
     got = jax.jit(value_and_grads, static_argnums=4)(lhs, rhs, np.array(sizes, np.int32), dout,
                                                       TILES)
-    for g, w in zip(got, numpy_ragged(lhs, rhs, np.array(sizes), dout)):
+    for g, w in zip(got, ref.ragged_dot_with_grads(lhs, rhs, np.array(sizes), dout)):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-4)
 
 
@@ -77,7 +63,7 @@ def test_sizes_past_m_are_clipped_as_the_reference(sizes):
     lhs, rhs, dout = operands(1, 67, 9, 11, 4)
     sizes = np.array(sizes, np.int32)
     got = value_and_grads(lhs, rhs, sizes, dout, TILES)
-    want = numpy_ragged(lhs, rhs, sizes, dout)
+    want = ref.ragged_dot_with_grads(lhs, rhs, sizes, dout)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-4)
 
@@ -106,7 +92,7 @@ def test_float64_values_and_gradients():
                                                        implementation="xla"), lhs, rhs)
         got = (out, *vjp(jnp.asarray(dout, jnp.float64)))
         assert all(g.dtype == jnp.float64 for g in got)
-        for g, w in zip(got, numpy_ragged(lhs, rhs, sizes, dout)):
+        for g, w in zip(got, ref.ragged_dot_with_grads(lhs, rhs, sizes, dout)):
             np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
 
 
@@ -117,7 +103,7 @@ def test_an_inf_in_an_empty_groups_weights_reaches_no_row():
     rhs[1, 0, 0] = np.inf
     sizes = np.array([15, 0, 25], np.int32)
     got = value_and_grads(lhs, rhs, sizes, dout, xla.XlaTiles(block_m=8, align=8))
-    for g, w in zip(got, numpy_ragged(lhs, np.where(np.isinf(rhs), 0, rhs), sizes, dout)):
+    for g, w in zip(got, ref.ragged_dot_with_grads(lhs, np.where(np.isinf(rhs), 0, rhs), sizes, dout)):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-4)
 
 
