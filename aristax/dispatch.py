@@ -45,7 +45,6 @@ class Dispatch:
     num_dropped: jax.Array
 
 
-
 def _flat_expert_ids(routing: Routing) -> jax.Array:
     """int32[T*K] expert of each slot, E for unassigned slots (they sort last)."""
     E = routing.num_experts
