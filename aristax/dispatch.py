@@ -155,7 +155,7 @@ def permute(x: jax.Array, dispatch: Dispatch) -> jax.Array:
 
 @jax.custom_vjp
 def _permute(x, row_slot, row_valid, slot, kept):
-    rows = jnp.take(x, row_slot // slot.shape[1], axis=0)
+    rows = jnp.take(x, row_slot // slot.shape[1], axis=0, mode="clip")  # in range
     return jnp.where(row_valid[:, None], rows, jnp.zeros((), x.dtype))
 
 
@@ -180,7 +180,9 @@ def combine(rows: jax.Array, dispatch: Dispatch, weights: jax.Array) -> jax.Arra
     least float32, elementwise (full precision on every platform, as the combine
     kernels compute it; a dot at JAX's default precision would be TF32 on a GPU).
     Backward, by gathers (no scatter-add): drows[r] = weight of row r's slot *
-    dy[row r's token] on valid rows, dweights[t, k] = <dy[t], rows[slot[t, k]]>.
+    dy[row r's token] on valid rows, dweights[t, k] = <dy[t], rows[slot[t, k]]>. (One
+    gather of dy into row order serving both costs more on XLA:CPU: it and drows are
+    then materialised, [M, D] each, where these fuse into their consumers.)
     """
     return _combine(*vary_alike(rows, weights, dispatch.row_slot, dispatch.row_valid,
                                 dispatch.slot, dispatch.kept))
@@ -191,8 +193,8 @@ def _weighted_rows(rows, slot, kept, w) -> jax.Array:
     K products per element (exact in float32 on every platform), which XLA fuses with
     the gather instead of materialising [T, K, D] for a batched dot."""
     out = jnp.zeros((slot.shape[0], rows.shape[1]), w.dtype)
-    for k in range(slot.shape[1]):
-        picked = jnp.take(rows, slot[:, k], axis=0, mode="fill", fill_value=0)
+    for k in range(slot.shape[1]):  # clip: a slot not kept may point past the rows
+        picked = jnp.take(rows, slot[:, k], axis=0, mode="clip")
         out = out + jnp.where(kept[:, k, None], w[:, k, None] * picked.astype(w.dtype), 0.0)
     return out
 
@@ -211,12 +213,13 @@ def _combine_fwd(rows, weights, row_slot, row_valid, slot, kept):
 def _combine_bwd(residuals, dy):
     rows, weights, row_slot, row_valid, slot, kept = residuals
     K = slot.shape[1]
-    w_row = jnp.take(jnp.where(kept, weights.astype(dy.dtype), 0.0).reshape(-1), row_slot)
+    w_row = jnp.take(jnp.where(kept, weights.astype(dy.dtype), 0.0).reshape(-1), row_slot,
+                     mode="clip")
     drows = jnp.where(row_valid[:, None],
-                      w_row[:, None] * jnp.take(dy, row_slot // K, axis=0), 0.0)
-    dweights = jnp.stack([
-        jnp.where(kept[:, k], jnp.sum(dy * jnp.take(rows, slot[:, k], axis=0, mode="fill",
-                                                     fill_value=0).astype(dy.dtype), axis=1),
+                      w_row[:, None] * jnp.take(dy, row_slot // K, axis=0, mode="clip"), 0.0)
+    dweights = jnp.stack([  # clip: a slot not kept may point past the rows
+        jnp.where(kept[:, k], jnp.sum(dy * jnp.take(rows, slot[:, k], axis=0, mode="clip"
+                                                     ).astype(dy.dtype), axis=1),
                   0.0) for k in range(K)], axis=1)
     return drows.astype(rows.dtype), dweights.astype(weights.dtype), None, None, None, None
 

@@ -50,8 +50,20 @@ class Routing:
 
     def expert_load(self) -> jax.Array:
         """int32[E]: assignments per expert (before capacity drops)."""
-        onehot = jax.nn.one_hot(self.expert_ids, self.num_experts, dtype=jnp.int32)
-        return jnp.sum(onehot * self.mask[..., None].astype(jnp.int32), axis=(0, 1), dtype=jnp.int32)
+        return expert_counts(self.expert_ids, self.mask, self.num_experts)
+
+
+def expert_counts(expert_ids: jax.Array, mask: jax.Array, num_experts: int,
+                  segments: int = 1) -> jax.Array:
+    """int32[E] (segments > 1: [segments, E]) masked assignments per expert, by
+    ``jnp.bincount`` (no [T, K, E] one-hot). expert_ids, mask: [T, K]; with
+    ``segments``, the T tokens are cut into that many consecutive equal parts."""
+    T, K = expert_ids.shape
+    E = num_experts
+    segment = jnp.arange(T, dtype=jnp.int32)[:, None] // (T // segments)
+    flat = jnp.where(mask, segment * E + expert_ids, segments * E)  # masked: one past
+    counts = jnp.bincount(flat.reshape(-1), length=segments * E + 1)[:-1]
+    return counts.astype(jnp.int32).reshape((segments, E) if segments > 1 else (E,))
 
 
 def apply_jitter(x: jax.Array, eps: float, rng: jax.Array) -> jax.Array:
@@ -227,9 +239,8 @@ def sequence_balance_loss(routing: Routing, seq_len: int) -> jax.Array:
     T, E = routing.probs.shape
     K = routing.expert_ids.shape[1]
     dtype = routing.probs.dtype
-    onehot = jax.nn.one_hot(routing.expert_ids, E, dtype=dtype) * routing.mask[..., None].astype(dtype)
-    counts = jnp.sum(onehot, axis=1).reshape(T // seq_len, seq_len, E).sum(axis=1)
-    f = counts * (E / (K * seq_len))
+    counts = expert_counts(routing.expert_ids, routing.mask, E, segments=T // seq_len)
+    f = counts.reshape(T // seq_len, E).astype(dtype) * (E / (K * seq_len))
     P = routing.probs.reshape(T // seq_len, seq_len, E).mean(axis=1)
     return jnp.mean(jnp.sum(f * P, axis=-1))
 

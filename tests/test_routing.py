@@ -402,3 +402,23 @@ def test_load_balancing_loss_over_nonfinite_logit_rows(router):
     grad = np.asarray(grad)
     assert np.isfinite(grad).all()
     assert (grad[[3, 7]] == 0).all() and np.abs(grad[good]).max() > 0
+
+
+@pytest.mark.parametrize("segments", [1, 3])
+def test_expert_counts_equal_numpy(segments):
+    """Masked assignments per expert (and per consecutive segment of tokens) against a
+    NumPy count, with slots masked out and an expert nobody picks."""
+    from aristax.routing import expert_counts
+
+    rng = np.random.default_rng(segments)
+    T, K, E = 12, 3, 7
+    ids = rng.integers(0, E - 1, (T, K))  # expert E-1 is never picked
+    mask = rng.random((T, K)) < 0.7
+    want = np.zeros((segments, E), np.int64)
+    for t in range(T):
+        for k in range(K):
+            if mask[t, k]:
+                want[t // (T // segments), ids[t, k]] += 1
+    got = expert_counts(jnp.asarray(ids, jnp.int32), jnp.asarray(mask), E, segments=segments)
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got).reshape(segments, E), want)
