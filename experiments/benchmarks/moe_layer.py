@@ -7,6 +7,8 @@ round; medians of its times and of its per-round ratios):
 * ``aristax.MoE`` (the nnx layer, Mixtral routing: softmax top-K renormalised),
   forward + backward under ``nnx.jit`` (the loss: sum of y plus the aux loss);
 * the ceiling: a dense SwiGLU MLP of hidden K*F on all T tokens (the same FLOPs), JAX;
+* the same at the experts' GEMM shapes: hidden F on T*K rows (each token K times), no
+  routing (what the grouped GEMMs' narrower products cost on their own);
 * the GShard one-hot einsum layer (capacity factor 1.0: dispatch and combine tensors
   [T, E, C], C = T*K/E; the overflow is dropped), JAX, the same weights;
 * Hugging Face ``MixtralSparseMoeBlock`` with experts implementation "eager" (a loop
@@ -84,12 +86,15 @@ def aristax_step(w, K):
     return lambda: step(layer, x)
 
 
-def dense_step(w, K):
-    """The ceiling: SwiGLU MLP of hidden K*F on all T tokens, forward + backward."""
+def dense_step(w, K, expert_shape: bool = False):
+    """The ceiling: SwiGLU MLP of hidden K*F on all T tokens, forward + backward. With
+    ``expert_shape``: hidden F on the T*K rows (each token K times), the experts' GEMM
+    shapes without routing or grouping (the same FLOPs)."""
     rng = np.random.default_rng(1)
     (D, _), F = w["router"].shape, w["gate"].shape[2]
+    H = F if expert_shape else K * F
     mats = [jnp.asarray(rng.standard_normal(s) * s[0] ** -0.5, jnp.float32)
-            for s in ((D, K * F), (D, K * F), (K * F, D))]
+            for s in ((D, H), (D, H), (H, D))]
 
     @jax.jit
     def step(mats, x):
@@ -97,7 +102,7 @@ def dense_step(w, K):
             h = jax.nn.silu(x @ mats[0]) * (x @ mats[1])
             return jnp.sum(h @ mats[2])
         return jax.value_and_grad(loss, argnums=(0, 1))(mats, x)
-    x = jnp.asarray(w["x"])
+    x = jnp.asarray(np.repeat(w["x"], K, axis=0) if expert_shape else w["x"])
     return lambda: step(mats, x)
 
 
@@ -168,6 +173,7 @@ def hf_step(w, K, implementation: str):
 def bench(T, D, F, E, K, load, rounds, with_hf) -> dict:
     w = weights(T, D, F, E, load)
     steps = {"aristax.MoE": aristax_step(w, K), "dense_mlp (ceiling)": dense_step(w, K),
+             "dense_mlp_expert_shape": dense_step(w, K, expert_shape=True),
              "gshard_einsum": gshard_step(w, K)}
     if with_hf:
         for impl in ("eager", "grouped_mm"):
