@@ -56,8 +56,8 @@ import numpy as np
 from aristax import dispatch as dispatch_lib
 from aristax import routing as routing_lib
 from aristax.config import MoEConfig
-from aristax.moe import (MoEParams, check_inputs, make_dispatch, moe_aux, routed_experts,
-                         router_logits, with_shared_experts)
+from aristax.moe import (MoEParams, check_inputs, make_dispatch, moe_aux, route_tokens,
+                         routed_experts, with_shared_experts)
 
 Bounds = tuple[tuple[int, int], ...]
 
@@ -202,12 +202,11 @@ def chunked_moe(
     router_in = x
     if jitter_rng is not None and config.router_jitter > 0:
         router_in = routing_lib.apply_jitter(x, config.router_jitter, jitter_rng)
-    logits = router_logits(router_in, params.router_de)
-    routing = routing_lib.route(logits, config.router_config, bias=bias)
+    routing, _ = route_tokens(router_in, params.router_de, config, bias)  # the whole batch
     kept, num_dropped = keep_decisions(routing, config, bounds)
     dtype = jnp.dtype(config.dtype) if config.dtype is not None else x.dtype
     xc = x.astype(dtype)
     y = jnp.concatenate([chunk_experts(xc[a:b], chunk_routing(routing, kept, a, b), params,
                                        config) for a, b in bounds], axis=0)
     y = with_shared_experts(y, xc, params, config)
-    return y.astype(dtype), moe_aux(routing, logits, num_dropped, config, seq_len)
+    return y.astype(dtype), moe_aux(routing, routing.logits, num_dropped, config, seq_len)

@@ -96,6 +96,32 @@ def test_chunks_run_on_the_fused_kernel(kernel_calls):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("router", ["softmax_topk", "sigmoid"])
+def test_chunks_route_on_the_named_kernel(router, kernel_calls):
+    """A dropless chunked layer with implementation="triton" routes the whole batch on
+    the fused route kernel (once; counted), as the unchunked layer does, and equals the
+    unchunked reference layer, values and gradients."""
+    cfg = MoEConfig(num_experts=4, d_model=D, d_ff=F, top_k=2, router=router,
+                    normalize_weights=True)
+    params = make_params(cfg)
+    x = jax.random.normal(jax.random.key(5), (T, D))
+    ct = jax.random.normal(jax.random.key(6), (T, D))
+
+    def value_and_grad(f):
+        def loss(x, p):
+            y, aux = f(x, p)
+            return jnp.sum(y * ct) + aux["loss"], y
+
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, params)
+
+    got = value_and_grad(lambda x, p: overlap.chunked_moe(
+        x, p, cfg.replace(implementation="triton"), num_chunks=3))
+    assert kernel_calls["triton"].count("route") == 1, kernel_calls
+    want = value_and_grad(lambda x, p: moe(x, p, cfg))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=2e-5)
+
+
 def test_naive_micro_batching_would_differ():
     """Per-chunk capacity C/k (no carry) changes the drops: the test above can fail."""
     cfg = MoEConfig(num_experts=4, top_k=2, d_model=D, d_ff=F, capacity_factor=0.75)
