@@ -48,6 +48,7 @@ Semantics, compared with the single-device ``aristax.moe.moe`` on the whole batc
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import types
 from collections.abc import Sequence
@@ -528,13 +529,13 @@ def expert_parallel_moe(
         raise ValueError(f"num_chunks={num_chunks} exceeds the {Tl} tokens of each token "
                          f"shard (T={x.shape[0]} over {shards} shards); use num_chunks <= {Tl}")
     overlap.chunk_bounds(Tl, num_chunks)  # validates num_chunks early
-    fn = _sharded_forward(
+    layout = ShardedLayout(
         config, mesh, None if expert_perm is None else tuple(map(int, np.ravel(expert_perm))),
         token_axes, expert_axis, G, shards, None if buffer_size is None else int(buffer_size),
         backend, seq_len, int(num_chunks),
         None if schedule is None else tuple(tuple(map(tuple, r)) for r in schedule),
         _param_specs(params, expert_axis))
-    y, aux = fn(x, router_in, params, bias)
+    y, aux = _sharded_forward(x, router_in, params, bias, layout=layout)
     if x_spec is not None:  # Explicit axes: the output keeps the input's sharding
         row = P(x_spec[0] if len(x_spec) else None, None)
         y = _place(y, mesh, P(*x_spec) if len(x_spec) == 2 else row)
@@ -542,14 +543,35 @@ def expert_parallel_moe(
     return y, aux
 
 
-@functools.lru_cache(maxsize=64)
-def _sharded_forward(config, mesh, expert_perm, token_axes, expert_axis, G, shards,
-                     buffer_size, backend, seq_len, num_chunks, schedule, param_specs):
-    """The jitted ``shard_map`` of ``_local_moe`` for one layout (hashable arguments, as
-    ``expert_parallel_moe`` checked them). Cached so that eager calls (a notebook) reuse
-    one compilation: a bare ``shard_map`` runs op by op eagerly (10 s a call for a small
-    layer on 8 CPU devices), and a new ``jit`` per call compiles again (2 s); inside a
-    caller's ``jit`` it is inlined."""
+@dataclasses.dataclass(frozen=True)
+class ShardedLayout:
+    """What one compiled expert-parallel layer depends on besides its arrays, as
+    ``expert_parallel_moe`` checked it (hashable: ``jax.jit``'s static argument)."""
+
+    config: MoEConfig
+    mesh: jax.sharding.Mesh
+    expert_perm: tuple[int, ...] | None
+    token_axes: Any
+    expert_axis: Any
+    G: int
+    shards: int
+    buffer_size: int | None
+    backend: str
+    seq_len: int | None
+    num_chunks: int
+    schedule: tuple | None
+    param_specs: MoEParams
+
+
+@functools.partial(jax.jit, static_argnames=("layout",))
+def _sharded_forward(x, router_in, params, bias, *, layout: ShardedLayout):
+    """The ``shard_map`` of ``_local_moe`` over ``layout``: (y, aux). Jitted with the
+    layout static, so eager calls (a notebook) reuse one compilation per layout from
+    ``jax.jit``'s own cache (a bare ``shard_map`` runs op by op eagerly: 10 s a call for
+    a small layer on 8 CPU devices); inside a caller's ``jit`` it is inlined."""
+    (config, mesh, expert_perm, token_axes, expert_axis, G, shards, buffer_size, backend,
+     seq_len, num_chunks, schedule, param_specs) = (getattr(layout, f.name)
+                                                    for f in dataclasses.fields(layout))
     slot_of, replicas = None, None
     num_slots = config.num_experts if expert_perm is None else len(expert_perm)
     if expert_perm is not None:
@@ -581,13 +603,9 @@ def _sharded_forward(config, mesh, expert_perm, token_axes, expert_axis, G, shar
         body, mesh=mesh, in_specs=(tok, tok, param_specs, P()), out_specs=(tok, aux_specs),
         check_vma=not frontdoor.interprets(config.implementation))
 
-    def forward(x, router_in, params, bias):
-        # placed inside the jit: eagerly, an abstract mesh (jax.set_mesh read under a
-        # trace such as nnx.grad) cannot constrain single-device arrays
-        params = MoEParams(**{name: _place(getattr(params, name), mesh,
-                                           getattr(param_specs, name))
-                              for name in _PARAM_NAMES})
-        return sharded(_place(x, mesh, tok), _place(router_in, mesh, tok), params,
-                       _place(bias, mesh, P()))
-
-    return jax.jit(forward)
+    # placed inside the jit: eagerly, an abstract mesh (jax.set_mesh read under a trace
+    # such as nnx.grad) cannot constrain single-device arrays
+    params = MoEParams(**{name: _place(getattr(params, name), mesh, getattr(param_specs, name))
+                          for name in _PARAM_NAMES})
+    return sharded(_place(x, mesh, tok), _place(router_in, mesh, tok), params,
+                   _place(bias, mesh, P()))

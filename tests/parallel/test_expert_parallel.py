@@ -333,3 +333,23 @@ def test_numpy_int_buffer_size_and_expert_axis_data():
         y, _ = expert_parallel_moe(x, params, cfg, mesh, **kw)
         np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), atol=2e-5, rtol=2e-5,
                                    err_msg=str(kw))
+
+
+def test_eager_calls_compile_once_per_layout():
+    """Eager calls (a notebook) with one layout reuse one compilation of the sharded
+    layer, held by ``jax.jit``'s cache; a new layout compiles its own. Values stay
+    those of the single-device layer."""
+    from aristax.parallel.expert_parallel import _sharded_forward
+
+    cfg = MoEConfig(num_experts=8, top_k=2, d_model=D, d_ff=F)
+    params = make_params(cfg)
+    mesh = make_mesh((2, 4), explicit=False)
+    before = _sharded_forward._cache_size()
+    for seed in (1, 2):
+        x = jax.random.normal(jax.random.key(seed), (T, D))
+        y, _ = expert_parallel_moe(x, params, cfg, mesh=mesh, expert_axis="expert")
+        np.testing.assert_allclose(np.asarray(y), np.asarray(moe(x, params, cfg)[0]),
+                                   atol=1e-5, rtol=1e-5)
+    assert _sharded_forward._cache_size() == before + 1
+    expert_parallel_moe(x, params, cfg.replace(top_k=3), mesh=mesh, expert_axis="expert")
+    assert _sharded_forward._cache_size() == before + 2
