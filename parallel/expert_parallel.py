@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -161,9 +160,12 @@ def sequence_loss(routing, axes, num_shards: int, seq_len: int) -> jax.Array:
     return jnp.mean(jnp.sum(counts * (E / (K * seq_len)) * P_, axis=-1))
 
 
-def global_aux(routing, dispatch, num_overflow, config: MoEConfig, axes, num_shards: int,
-               seq_len: int | None) -> dict[str, jax.Array]:
-    """The single-device layer's aux on the whole batch, from all-reduced local counts."""
+def global_aux(routing, num_routed, num_dropped, num_overflow, config: MoEConfig, axes,
+               num_shards: int, seq_len: int | None) -> dict[str, jax.Array]:
+    """The single-device layer's aux on the whole batch, from all-reduced local counts.
+
+    routing: this shard's ``Routing`` [Tl, K]; num_routed, num_dropped, num_overflow:
+    int32[] this shard's routed slots, slots dropped for capacity, rows over a buffer."""
     Tl, E = routing.probs.shape
     T = Tl * num_shards
     dt = routing.probs.dtype
@@ -174,8 +176,8 @@ def global_aux(routing, dispatch, num_overflow, config: MoEConfig, axes, num_sha
     z = jax.lax.psum(jnp.sum(routing_lib.masked_z(routing.logits, finite)), axes)
     z = z / jnp.maximum(jax.lax.psum(jnp.sum(finite, dtype=jnp.int32), axes), 1).astype(z.dtype)
     seq = sequence_loss(routing, axes, num_shards, seq_len or T)
-    routed = jax.lax.psum(dispatch.num_routed, axes)
-    dropped = jax.lax.psum(dispatch.num_dropped + num_overflow, axes)
+    routed = jax.lax.psum(num_routed, axes)
+    dropped = jax.lax.psum(num_dropped + num_overflow, axes)
     return {
         "loss": config.lb_loss_coef * lb + config.seq_aux_loss_coef * seq
         + config.z_loss_coef * z,
@@ -283,13 +285,14 @@ def _local_moe(x, router_in, params, bias, *, config, slot_of, axes, expert_axis
                     else make_dispatch(physical, config))
         y, num_overflow = _exchange_experts(xc, dispatch, routing.weights, config=config,
                                             B=buffer_size(x.shape[0]), **trip)
+        num_dropped = dispatch.num_dropped
     else:
         y, num_dropped, num_overflow = _chunked_exchange(xc, routing, physical, config,
                                                          chunk_buffer, num_chunks, **trip)
-        dispatch = types.SimpleNamespace(  # what global_aux reads
-            num_routed=jnp.sum(physical.mask, dtype=jnp.int32), num_dropped=num_dropped)
+    num_routed = jnp.sum(physical.mask, dtype=jnp.int32)
     y = with_shared_experts(y, xc, params, config)
-    aux = global_aux(routing, dispatch, num_overflow, config, axes, num_shards, seq_len)
+    aux = global_aux(routing, num_routed, num_dropped, num_overflow, config, axes, num_shards,
+                     seq_len)
     return y.astype(dtype), aux
 
 
