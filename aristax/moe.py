@@ -213,8 +213,7 @@ def _moe(x, params, config, bias, jitter_rng, seq_len):
     y = routed_experts(xc, dispatch, routing.weights, params, config,
                        dropless=is_dropless(config, xc.shape[0]))
     y = with_shared_experts(y, xc, params, config)
-    return y.astype(dtype), moe_aux(routing, routing.logits, dispatch.num_dropped, config,
-                                    seq_len)
+    return y.astype(dtype), moe_aux(routing, dispatch.num_dropped, config, seq_len)
 
 
 def with_shared_experts(y: jax.Array, xc: jax.Array, params: MoEParams,
@@ -360,34 +359,48 @@ def fused_experts(
 
 def moe_aux(
     routing: routing_lib.Routing,
-    logits: jax.Array,
     num_dropped: jax.Array,
     config: MoEConfig,
     seq_len: int | None,
+    *,
+    num_overflow: jax.Array | None = None,
+    reduce=routing_lib.same,
+    num_shards: int = 1,
+    token_offset=0,
 ) -> dict[str, jax.Array]:
-    """The ``aux`` dict of ``moe`` (see there) from the whole batch's routing.
+    """The ``aux`` dict of ``moe`` (see there), the whole batch's statistics.
 
     Args:
-      routing: the batch's ``Routing``. logits: [T, E]. num_dropped: int32[] routed
-      slots dropped for lack of capacity. seq_len: S, or None for one sequence.
+      routing: ``Routing`` of the Tl tokens here. num_dropped: int32[] routed slots
+        dropped here for lack of capacity. seq_len: S, or None for one sequence.
+      num_overflow, reduce, num_shards, token_offset: over token shards (expert
+        parallelism): rows over an exchange buffer (dropped too, and reported as
+        ``num_overflow``); the sum over shards (``jax.lax.psum``; ``same`` on one
+        device); how many shards of Tl tokens; this shard's first global token.
     """
-    T = logits.shape[0]
-    finite = jnp.all(jnp.isfinite(logits), axis=-1)
-    lb = routing_lib.load_balancing_loss(routing)
-    z = routing_lib.router_z_loss(logits, finite)
-    seq = routing_lib.sequence_balance_loss(routing, seq_len or T)
-    routed = jnp.sum(routing.mask, dtype=jnp.int32)
-    return {
+    logits = routing.logits
+    T = logits.shape[0] * num_shards
+    finite = routing_lib.finite_rows(logits)
+    lb = routing_lib.load_balancing_loss(routing, reduce=reduce)
+    z = routing_lib.router_z_loss(logits, finite, reduce=reduce)
+    seq = routing_lib.sequence_balance_loss(routing, seq_len or T, reduce=reduce,
+                                            token_offset=token_offset, num_tokens=T)
+    routed = reduce(jnp.sum(routing.mask, dtype=jnp.int32))
+    dropped = reduce(num_dropped if num_overflow is None else num_dropped + num_overflow)
+    aux = {
         "loss": config.lb_loss_coef * lb + config.seq_aux_loss_coef * seq
         + config.z_loss_coef * z,
         "lb_loss": lb,
         "seq_aux_loss": seq,
         "z_loss": z,
-        "expert_load": routing.expert_load(),
-        "dropped_fraction": num_dropped.astype(jnp.float32)
+        "expert_load": reduce(routing.expert_load()),
+        "dropped_fraction": dropped.astype(jnp.float32)
         / jnp.maximum(routed, 1).astype(jnp.float32),
-        "num_dropped": num_dropped,
-        "nonfinite_tokens": jnp.sum(~finite, dtype=jnp.int32),
-        "unchosen_tokens": routing_lib.unchosen_tokens(routing),
+        "num_dropped": dropped,
+        "nonfinite_tokens": reduce(jnp.sum(~finite, dtype=jnp.int32)),
+        "unchosen_tokens": reduce(routing_lib.unchosen_tokens(routing)),
         "router_logits": logits,
     }
+    if num_overflow is not None:
+        aux["num_overflow"] = reduce(num_overflow)
+    return aux

@@ -54,16 +54,28 @@ class Routing:
 
 
 def expert_counts(expert_ids: jax.Array, mask: jax.Array, num_experts: int,
-                  segments: int = 1) -> jax.Array:
-    """int32[E] (segments > 1: [segments, E]) masked assignments per expert, by
-    ``jnp.bincount`` (no [T, K, E] one-hot). expert_ids, mask: [T, K]; with
-    ``segments``, the T tokens are cut into that many consecutive equal parts."""
-    T, K = expert_ids.shape
+                  segment_ids: jax.Array | None = None, num_segments: int = 1) -> jax.Array:
+    """Masked assignments per expert, by ``jnp.bincount`` (no [T, K, E] one-hot).
+
+    Args:
+      expert_ids, mask: [T, K]. segment_ids: optional int32[T], each token's segment
+        in [0, num_segments) (e.g. its sequence).
+    Returns:
+      int32[E], or int32[num_segments, E] with ``segment_ids``.
+    """
     E = num_experts
-    segment = jnp.arange(T, dtype=jnp.int32)[:, None] // (T // segments)
-    flat = jnp.where(mask, segment * E + expert_ids, segments * E)  # masked: one past
-    counts = jnp.bincount(flat.reshape(-1), length=segments * E + 1)[:-1]
-    return counts.astype(jnp.int32).reshape((segments, E) if segments > 1 else (E,))
+    segment = 0 if segment_ids is None else segment_ids.astype(jnp.int32)[:, None]
+    flat = jnp.where(mask, segment * E + expert_ids, num_segments * E)  # masked: one past
+    counts = jnp.bincount(flat.reshape(-1), length=num_segments * E + 1)[:-1]
+    shape = (E,) if segment_ids is None else (num_segments, E)
+    return counts.astype(jnp.int32).reshape(shape)
+
+
+def same(value):
+    """The ``reduce`` of one device: each loss below sums its per-token statistics
+    over all tokens with ``reduce`` (``jax.lax.psum`` over the token shards inside
+    ``shard_map``; this identity on one device)."""
+    return value
 
 
 def apply_jitter(x: jax.Array, eps: float, rng: jax.Array) -> jax.Array:
@@ -204,7 +216,8 @@ def route(
     )
 
 
-def load_balancing_loss(routing: Routing, row_weights: jax.Array | None = None) -> jax.Array:
+def load_balancing_loss(routing: Routing, row_weights: jax.Array | None = None, *,
+                        reduce=same) -> jax.Array:
     """Switch Transformer eq. 4: E * sum_e f_e * P_e.
 
     f_e = (assignments to e) / T, counted over all K slots (so a perfectly balanced
@@ -212,51 +225,71 @@ def load_balancing_loss(routing: Routing, row_weights: jax.Array | None = None) 
     P_e = mean router probability of e. Gradients flow through P only.
 
     ``row_weights`` [T] (e.g. an attention mask): both means become weighted means,
-    so padding rows (weight 0) count for nothing, as in Hugging Face.
+    so padding rows (weight 0) count for nothing, as in Hugging Face. ``reduce``
+    sums over token shards (``same`` on one device): T and the means are the whole
+    batch's.
     """
-    T, E = routing.probs.shape
+    Tl, E = routing.probs.shape
     dtype = routing.probs.dtype
+    w = jnp.ones((Tl,), dtype) if row_weights is None else row_weights.astype(dtype)
     if row_weights is None:
-        f = routing.expert_load().astype(dtype) / T
-        P = jnp.mean(routing.probs, axis=0)
+        assigned = routing.expert_load().astype(dtype)
     else:
-        w = row_weights.astype(dtype)
-        onehot = jax.nn.one_hot(routing.expert_ids, E, dtype=dtype)  # [T, K, E]
-        assigned = jnp.sum(onehot * routing.mask[..., None].astype(dtype), axis=1)
-        total = jnp.sum(w)
-        f = jnp.sum(assigned * w[:, None], axis=0) / total
-        P = jnp.sum(routing.probs * w[:, None], axis=0) / total
+        flat = jnp.where(routing.mask, routing.expert_ids, E).reshape(-1)
+        per_slot = jnp.broadcast_to(w[:, None], routing.mask.shape).reshape(-1)
+        assigned = jnp.bincount(flat, weights=per_slot, length=E + 1)[:E]
+    total = reduce(jnp.sum(w))
+    f = reduce(assigned) / total
+    P = reduce(jnp.sum(routing.probs * w[:, None], axis=0)) / total
     return E * jnp.sum(f * P)
 
 
-def sequence_balance_loss(routing: Routing, seq_len: int) -> jax.Array:
+def sequence_balance_loss(routing: Routing, seq_len: int, *, reduce=same,
+                          token_offset=0, num_tokens: int | None = None) -> jax.Array:
     """DeepSeek-V3 sequence-wise balance loss (eq. 17-20), averaged over sequences.
 
     Per sequence of length S: f_i = E / (K S) * (tokens of the sequence sent to i),
     P_i = mean over the sequence of the normalised scores; loss = sum_i f_i P_i.
     Tokens are split into consecutive sequences of ``seq_len`` (T % seq_len == 0).
+
+    Over token shards: ``routing`` holds this shard's Tl tokens, from global token
+    ``token_offset`` of ``num_tokens`` T (default Tl); ``reduce`` sums over shards.
+    Where a sequence may straddle shards (Tl % S != 0) its counts and probability sums
+    [T/S, E] are reduced first.
     """
-    T, E = routing.probs.shape
+    Tl, E = routing.probs.shape
     K = routing.expert_ids.shape[1]
     dtype = routing.probs.dtype
-    counts = expert_counts(routing.expert_ids, routing.mask, E, segments=T // seq_len)
-    f = counts.reshape(T // seq_len, E).astype(dtype) * (E / (K * seq_len))
-    P = routing.probs.reshape(T // seq_len, seq_len, E).mean(axis=1)
-    return jnp.mean(jnp.sum(f * P, axis=-1))
+    T = num_tokens or Tl
+    if Tl % seq_len == 0:  # every sequence lies in this shard
+        seq_id = jnp.arange(Tl, dtype=jnp.int32) // seq_len
+        counts = expert_counts(routing.expert_ids, routing.mask, E, seq_id, Tl // seq_len)
+        P = routing.probs.reshape(Tl // seq_len, seq_len, E).mean(axis=1)
+        f = counts.astype(dtype) * (E / (K * seq_len))
+        return reduce(jnp.sum(f * P)) / (T // seq_len)
+    seq_id = (token_offset + jnp.arange(Tl, dtype=jnp.int32)) // seq_len
+    counts = reduce(expert_counts(routing.expert_ids, routing.mask, E, seq_id, T // seq_len))
+    P = reduce(jax.ops.segment_sum(routing.probs, seq_id, T // seq_len)) / seq_len
+    return jnp.mean(jnp.sum(counts.astype(dtype) * (E / (K * seq_len)) * P, axis=-1))
 
 
-def router_z_loss(logits: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+def router_z_loss(logits: jax.Array, mask: jax.Array | None = None, *,
+                  reduce=same) -> jax.Array:
     """ST-MoE eq. 5: mean over tokens of logsumexp(logits)^2.
 
     Args:
       logits: float[T, E].
       mask: optional bool[T]; tokens with False are left out of the mean and of the
         gradient (``masked_z``).
+      reduce: sums over token shards (``same`` on one device).
     """
-    if mask is None:
+    if mask is None and reduce is same:
         return jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+    if mask is None:
+        mask = jnp.ones(logits.shape[:1], bool)
     z = masked_z(logits, mask)
-    return jnp.sum(z) / jnp.maximum(jnp.sum(mask), 1).astype(z.dtype)
+    return reduce(jnp.sum(z)) / jnp.maximum(reduce(jnp.sum(mask, dtype=jnp.int32)), 1
+                                            ).astype(z.dtype)
 
 
 def masked_z(logits: jax.Array, mask: jax.Array) -> jax.Array:

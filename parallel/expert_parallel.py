@@ -63,7 +63,7 @@ from aristax import routing as routing_lib
 from aristax.config import MoEConfig
 from aristax.experts import expert_mlp
 from aristax.moe import (MoEParams, check_inputs, check_tokens, fused_experts, make_dispatch,
-                         route_tokens, with_shared_experts)
+                         moe_aux, route_tokens, with_shared_experts)
 from aristax.pallas_kernels import frontdoor
 from aristax.parallel import overlap
 from aristax.parallel.collectives import check_backend, default_backend, exchange
@@ -140,55 +140,6 @@ def local_experts(recv: jax.Array, recv_counts: jax.Array, params: MoEParams, co
                      params.down_efd, activation=config.activation,
                      implementation=config.implementation)
     return jnp.zeros_like(out).at[order].set(out, unique_indices=True)
-
-
-# ------------------------------------------------------------------ local aux
-
-def sequence_loss(routing, axes, num_shards: int, seq_len: int) -> jax.Array:
-    """DeepSeek-V3 eq. 17-20 over the whole batch (``routing_lib.sequence_balance_loss``)
-    when sequences of ``seq_len`` consecutive global tokens may straddle shards:
-    per-sequence counts and probability sums [T/S, E] are all-reduced."""
-    Tl, E = routing.probs.shape
-    K = routing.expert_ids.shape[1]
-    num_seq = Tl * num_shards // seq_len
-    dt = routing.probs.dtype
-    start = jax.lax.axis_index(axes).astype(jnp.int32) * Tl
-    seq_id = (start + jnp.arange(Tl, dtype=jnp.int32)) // seq_len
-    onehot = jax.nn.one_hot(routing.expert_ids, E, dtype=dt) * routing.mask[..., None].astype(dt)
-    counts = jax.lax.psum(jax.ops.segment_sum(jnp.sum(onehot, axis=1), seq_id, num_seq), axes)
-    P_ = jax.lax.psum(jax.ops.segment_sum(routing.probs, seq_id, num_seq), axes) / seq_len
-    return jnp.mean(jnp.sum(counts * (E / (K * seq_len)) * P_, axis=-1))
-
-
-def global_aux(routing, num_routed, num_dropped, num_overflow, config: MoEConfig, axes,
-               num_shards: int, seq_len: int | None) -> dict[str, jax.Array]:
-    """The single-device layer's aux on the whole batch, from all-reduced local counts.
-
-    routing: this shard's ``Routing`` [Tl, K]; num_routed, num_dropped, num_overflow:
-    int32[] this shard's routed slots, slots dropped for capacity, rows over a buffer."""
-    Tl, E = routing.probs.shape
-    T = Tl * num_shards
-    dt = routing.probs.dtype
-    load = jax.lax.psum(routing.expert_load(), axes)
-    mean_p = jax.lax.psum(jnp.sum(routing.probs, axis=0), axes) / T
-    lb = E * jnp.sum(load.astype(dt) / T * mean_p)
-    finite = routing_lib.finite_rows(routing.logits)
-    z = jax.lax.psum(jnp.sum(routing_lib.masked_z(routing.logits, finite)), axes)
-    z = z / jnp.maximum(jax.lax.psum(jnp.sum(finite, dtype=jnp.int32), axes), 1).astype(z.dtype)
-    seq = sequence_loss(routing, axes, num_shards, seq_len or T)
-    routed = jax.lax.psum(num_routed, axes)
-    dropped = jax.lax.psum(num_dropped + num_overflow, axes)
-    return {
-        "loss": config.lb_loss_coef * lb + config.seq_aux_loss_coef * seq
-        + config.z_loss_coef * z,
-        "lb_loss": lb, "seq_aux_loss": seq, "z_loss": z, "expert_load": load,
-        "dropped_fraction": dropped.astype(jnp.float32) / jnp.maximum(routed, 1).astype(
-            jnp.float32),
-        "num_dropped": dropped, "num_overflow": jax.lax.psum(num_overflow, axes),
-        "nonfinite_tokens": jax.lax.psum(jnp.sum(~finite, dtype=jnp.int32), axes),
-        "unchosen_tokens": jax.lax.psum(routing_lib.unchosen_tokens(routing), axes),
-        "router_logits": routing.logits,
-    }
 
 
 # ------------------------------------------------------------------ the map body
@@ -289,10 +240,10 @@ def _local_moe(x, router_in, params, bias, *, config, slot_of, axes, expert_axis
     else:
         y, num_dropped, num_overflow = _chunked_exchange(xc, routing, physical, config,
                                                          chunk_buffer, num_chunks, **trip)
-    num_routed = jnp.sum(physical.mask, dtype=jnp.int32)
     y = with_shared_experts(y, xc, params, config)
-    aux = global_aux(routing, num_routed, num_dropped, num_overflow, config, axes, num_shards,
-                     seq_len)
+    aux = moe_aux(routing, num_dropped, config, seq_len, num_overflow=num_overflow,
+                  reduce=functools.partial(jax.lax.psum, axis_name=axes), num_shards=num_shards,
+                  token_offset=jax.lax.axis_index(axes).astype(jnp.int32) * x.shape[0])
     return y.astype(dtype), aux
 
 

@@ -209,4 +209,4 @@ def chunked_moe(
     y = jnp.concatenate([chunk_experts(xc[a:b], chunk_routing(routing, kept, a, b), params,
                                        config) for a, b in bounds], axis=0)
     y = with_shared_experts(y, xc, params, config)
-    return y.astype(dtype), moe_aux(routing, routing.logits, num_dropped, config, seq_len)
+    return y.astype(dtype), moe_aux(routing, num_dropped, config, seq_len)

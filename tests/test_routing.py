@@ -12,6 +12,7 @@ import moe_reference as ref
 from aristax import MoE, MoEConfig, RouterConfig, route
 from aristax.moe import moe, router_logits
 from aristax.routing import (
+    expert_counts,
     load_balancing_loss,
     router_z_loss,
     sequence_balance_loss,
@@ -408,8 +409,6 @@ def test_load_balancing_loss_over_nonfinite_logit_rows(router):
 def test_expert_counts_equal_numpy(segments):
     """Masked assignments per expert (and per consecutive segment of tokens) against a
     NumPy count, with slots masked out and an expert nobody picks."""
-    from aristax.routing import expert_counts
-
     rng = np.random.default_rng(segments)
     T, K, E = 12, 3, 7
     ids = rng.integers(0, E - 1, (T, K))  # expert E-1 is never picked
@@ -419,6 +418,9 @@ def test_expert_counts_equal_numpy(segments):
         for k in range(K):
             if mask[t, k]:
                 want[t // (T // segments), ids[t, k]] += 1
-    got = expert_counts(jnp.asarray(ids, jnp.int32), jnp.asarray(mask), E, segments=segments)
+    seg = jnp.arange(T, dtype=jnp.int32) // (T // segments)
+    got = expert_counts(jnp.asarray(ids, jnp.int32), jnp.asarray(mask), E, seg, segments)
     assert got.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(got).reshape(segments, E), want)
+    total = expert_counts(jnp.asarray(ids, jnp.int32), jnp.asarray(mask), E)
+    np.testing.assert_array_equal(np.asarray(total), want.sum(axis=0))

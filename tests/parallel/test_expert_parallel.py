@@ -273,7 +273,8 @@ def test_small_buffer_overflow_is_counted_not_corrupting():
     np.testing.assert_allclose(np.asarray(y), ref.forward(x, p, cfg, pl), atol=2e-5, rtol=2e-5)
 
 
-def test_jitter_and_sequence_loss_match():
+@pytest.mark.parametrize("seq_len", [16, 4])  # 8 tokens a shard: sequences straddle or not
+def test_jitter_and_sequence_loss_match(seq_len):
     cfg = MoEConfig(num_experts=8, top_k=2, d_model=D, d_ff=F, router_jitter=0.1,
                     seq_aux_loss_coef=0.1)
     params = make_params(cfg)
@@ -281,8 +282,8 @@ def test_jitter_and_sequence_loss_match():
     key = jax.random.key(7)
     mesh = make_mesh((4, 2), explicit=False)
     y, aux = jax.jit(lambda x: expert_parallel_moe(x, params, cfg, mesh, jitter_rng=key,
-                                                   seq_len=16))(x)
-    y_ref, aux_ref = moe(x, params, cfg, jitter_rng=key, seq_len=16)
+                                                   seq_len=seq_len))(x)
+    y_ref, aux_ref = moe(x, params, cfg, jitter_rng=key, seq_len=seq_len)
     np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), atol=2e-5, rtol=2e-5)
     for k in ("seq_aux_loss", "loss", "lb_loss"):
         np.testing.assert_allclose(float(aux[k]), float(aux_ref[k]), rtol=1e-5, err_msg=k)
