@@ -6,6 +6,8 @@ C capacity, S sequence length.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -200,20 +202,51 @@ def moe(
 
 
 def _moe(x, params, config, bias, jitter_rng, seq_len):
-    """``moe`` after its checks, on inputs with no Explicit mesh axes."""
-    router_in = x
-    if jitter_rng is not None and config.router_jitter > 0:
-        router_in = routing_lib.apply_jitter(x, config.router_jitter, jitter_rng)
-    routing, dispatch = route_tokens(router_in, params.router_de, config, bias)
-    if dispatch is None:
-        dispatch = make_dispatch(routing, config)
+    """``moe`` after its checks, on inputs with no Explicit mesh axes: ``layer_body``
+    with every routed slot's experts on this device."""
+    def on_this_device(xc, routing, fused_dispatch):
+        dispatch = fused_dispatch if fused_dispatch is not None else make_dispatch(routing,
+                                                                                  config)
+        y = routed_experts(xc, dispatch, routing.weights, params, config,
+                           dropless=is_dropless(config, xc.shape[0]))
+        return y, dispatch.num_dropped, None
 
+    return layer_body(x, router_input(x, config, jitter_rng), params, config, bias, seq_len,
+                      on_this_device)
+
+
+def router_input(x: jax.Array, config: MoEConfig, jitter_rng: jax.Array | None) -> jax.Array:
+    """What the router reads: x [T, D], times U(1 - eps, 1 + eps) noise when
+    ``jitter_rng`` is given and ``config.router_jitter`` = eps > 0."""
+    if jitter_rng is not None and config.router_jitter > 0:
+        return routing_lib.apply_jitter(x, config.router_jitter, jitter_rng)
+    return x
+
+
+# (xc [T, D] in the compute dtype, Routing [T, K], the fused route kernel's dropless
+# Dispatch or None) -> (routed experts' y [T, D] in the accumulation dtype, int32[]
+# slots dropped for capacity, int32[] rows over an exchange buffer or None)
+RoutedExperts = Callable[[jax.Array, routing_lib.Routing, dispatch_lib.Dispatch | None],
+                         tuple[jax.Array, jax.Array, jax.Array | None]]
+
+
+def layer_body(x: jax.Array, router_in: jax.Array, params: MoEParams, config: MoEConfig,
+               bias: jax.Array | None, seq_len: int | None, routed: RoutedExperts,
+               **aux_kw) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The MoE layer's one body: route -> ``routed`` experts -> shared experts -> aux.
+
+    Every path runs it and supplies only what differs: ``routed`` (all experts on this
+    device, Lancet chunks, or the expert-parallel exchange) and, over token shards,
+    ``moe_aux``'s reducer keywords (``aux_kw``). x, router_in: [T, D] (router_in: x
+    with jitter, ``router_input``). Returns (y [T, D] in the compute dtype, aux).
+    """
+    routing, fused_dispatch = route_tokens(router_in, params.router_de, config, bias)
     dtype = jnp.dtype(config.dtype) if config.dtype is not None else x.dtype
     xc = x.astype(dtype)
-    y = routed_experts(xc, dispatch, routing.weights, params, config,
-                       dropless=is_dropless(config, xc.shape[0]))
+    y, num_dropped, num_overflow = routed(xc, routing, fused_dispatch)
     y = with_shared_experts(y, xc, params, config)
-    return y.astype(dtype), moe_aux(routing, dispatch.num_dropped, config, seq_len)
+    return y.astype(dtype), moe_aux(routing, num_dropped, config, seq_len,
+                                    num_overflow=num_overflow, **aux_kw)
 
 
 def with_shared_experts(y: jax.Array, xc: jax.Array, params: MoEParams,

@@ -59,11 +59,10 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from aristax import dispatch as dispatch_lib
-from aristax import routing as routing_lib
 from aristax.config import MoEConfig
 from aristax.experts import expert_mlp
-from aristax.moe import (MoEParams, check_inputs, check_tokens, fused_experts, make_dispatch,
-                         moe_aux, route_tokens, with_shared_experts)
+from aristax.moe import (MoEParams, check_inputs, check_tokens, fused_experts, layer_body,
+                         make_dispatch, router_input)
 from aristax.pallas_kernels import frontdoor
 from aristax.parallel import overlap
 from aristax.parallel.collectives import check_backend, default_backend, exchange
@@ -220,31 +219,31 @@ def replicated_routing(routing, tables, axes, num_slots: int):
 def _local_moe(x, router_in, params, bias, *, config, slot_of, axes, expert_axis, G,
                num_shards, buffer_size, backend, seq_len, num_chunks=1, chunk_buffer=None,
                schedule=None, replicas=None):
-    """One device's share: x[Tl, D] -> (y[Tl, D], aux). See the module docstring."""
-    routing, fused_dispatch = route_tokens(router_in, params.router_de, config, bias)
-    if replicas is not None:
-        physical = replicated_routing(routing, replicas, axes, params.up_edf.shape[0] * G)
-    else:
-        physical = routing if slot_of is None else routing.replace(
-            expert_ids=jnp.asarray(slot_of)[routing.expert_ids])
-    dtype = jnp.dtype(config.dtype) if config.dtype is not None else x.dtype
-    xc = x.astype(dtype)
+    """One device's share: x[Tl, D] -> (y[Tl, D], aux), the layer's ``layer_body``
+    with the exchange as its routed experts and sums over the token shards. See the
+    module docstring."""
     trip = dict(params=params, G=G, expert_axis=expert_axis, backend=backend,
                 schedule=schedule)
-    if num_chunks == 1 and replicas is None:
+
+    def exchanged(xc, routing, fused_dispatch):
+        if replicas is not None:
+            physical = replicated_routing(routing, replicas, axes, params.up_edf.shape[0] * G)
+        else:
+            physical = routing if slot_of is None else routing.replace(
+                expert_ids=jnp.asarray(slot_of)[routing.expert_ids])
+        if num_chunks > 1 or replicas is not None:
+            return _chunked_exchange(xc, routing, physical, config, chunk_buffer, num_chunks,
+                                     **trip)
         dispatch = (fused_dispatch if fused_dispatch is not None and slot_of is None
                     else make_dispatch(physical, config))
         y, num_overflow = _exchange_experts(xc, dispatch, routing.weights, config=config,
                                             B=buffer_size(x.shape[0]), **trip)
-        num_dropped = dispatch.num_dropped
-    else:
-        y, num_dropped, num_overflow = _chunked_exchange(xc, routing, physical, config,
-                                                         chunk_buffer, num_chunks, **trip)
-    y = with_shared_experts(y, xc, params, config)
-    aux = moe_aux(routing, num_dropped, config, seq_len, num_overflow=num_overflow,
-                  reduce=functools.partial(jax.lax.psum, axis_name=axes), num_shards=num_shards,
-                  token_offset=jax.lax.axis_index(axes).astype(jnp.int32) * x.shape[0])
-    return y.astype(dtype), aux
+        return y, dispatch.num_dropped, num_overflow
+
+    return layer_body(x, router_in, params, config, bias, seq_len, exchanged,
+                      reduce=functools.partial(jax.lax.psum, axis_name=axes),
+                      num_shards=num_shards,
+                      token_offset=jax.lax.axis_index(axes).astype(jnp.int32) * x.shape[0])
 
 
 # ------------------------------------------------------------------ front door
@@ -475,9 +474,7 @@ def expert_parallel_moe(
         raise ValueError(f"schedule= is used by backend='scheduled' only, not {backend!r}; "
                          "pass backend='scheduled' or drop schedule")
     x_spec = _explicit_spec(x, mesh)
-    router_in = x
-    if jitter_rng is not None and config.router_jitter > 0:
-        router_in = routing_lib.apply_jitter(x, config.router_jitter, jitter_rng)
+    router_in = router_input(x, config, jitter_rng)
     Tl = x.shape[0] // shards
     if isinstance(num_chunks, (int, np.integer)) and num_chunks > Tl:
         raise ValueError(f"num_chunks={num_chunks} exceeds the {Tl} tokens of each token "

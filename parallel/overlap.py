@@ -56,8 +56,8 @@ import numpy as np
 from aristax import dispatch as dispatch_lib
 from aristax import routing as routing_lib
 from aristax.config import MoEConfig
-from aristax.moe import (MoEParams, check_inputs, make_dispatch, moe_aux, route_tokens,
-                         routed_experts, with_shared_experts)
+from aristax.moe import (MoEParams, check_inputs, layer_body, make_dispatch, routed_experts,
+                         router_input)
 
 Bounds = tuple[tuple[int, int], ...]
 
@@ -199,14 +199,12 @@ def chunked_moe(
     """
     check_inputs(x, params, config, bias=bias, seq_len=seq_len)
     bounds = chunk_bounds(x.shape[0], num_chunks)
-    router_in = x
-    if jitter_rng is not None and config.router_jitter > 0:
-        router_in = routing_lib.apply_jitter(x, config.router_jitter, jitter_rng)
-    routing, _ = route_tokens(router_in, params.router_de, config, bias)  # the whole batch
-    kept, num_dropped = keep_decisions(routing, config, bounds)
-    dtype = jnp.dtype(config.dtype) if config.dtype is not None else x.dtype
-    xc = x.astype(dtype)
-    y = jnp.concatenate([chunk_experts(xc[a:b], chunk_routing(routing, kept, a, b), params,
-                                       config) for a, b in bounds], axis=0)
-    y = with_shared_experts(y, xc, params, config)
-    return y.astype(dtype), moe_aux(routing, num_dropped, config, seq_len)
+
+    def in_chunks(xc, routing, _):  # the whole batch routed once, its keep decisions
+        kept, num_dropped = keep_decisions(routing, config, bounds)
+        y = jnp.concatenate([chunk_experts(xc[a:b], chunk_routing(routing, kept, a, b),
+                                           params, config) for a, b in bounds], axis=0)
+        return y, num_dropped, None
+
+    return layer_body(x, router_input(x, config, jitter_rng), params, config, bias, seq_len,
+                      in_chunks)
