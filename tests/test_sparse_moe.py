@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import moe_reference as ref
-from aristax import MoE, MoEConfig
+from aristax import MoE, MoEConfig, moe
 from aristax.models import sparse_moe
 
 SMALL, LARGE = 7, 150  # the two paths, on any backend: T <= max_selected_tokens() < T
@@ -142,3 +142,22 @@ def test_supports_only_configs_it_computes_exactly():
                    dict(activation="gelu"), dict(router="expert_choice"),
                    dict(dtype="bfloat16")):
         assert not sparse_moe.supports(base.replace(**change)), change
+
+
+@pytest.mark.parametrize("T", [SMALL, LARGE])
+@pytest.mark.parametrize("router", ["softmax_topk", "sigmoid"])
+def test_parity_with_the_layer_body(T, router):
+    """The decode path is a specialisation of ``aristax.moe.moe`` (the one layer body)
+    for dropless token choice without aux: y and the router logits equal the layer's on
+    both of its paths."""
+    cfg = MoEConfig(num_experts=E, top_k=2, d_model=D, d_ff=F, router=router,
+                    normalize_weights=True)
+    module = MoE(cfg, rngs=nnx.Rngs(4))
+    x = tokens(T, seed=5)
+    y, logits = jax.jit(sparse_moe.sparse_moe, static_argnums=(3, 4))(
+        x, module.router.weight_de[...], sparse_moe.expert_weights(module.params()),
+        cfg.router_config, cfg.activation)
+    y_body, aux = jax.jit(moe, static_argnames="config")(x, module.params(), config=cfg)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_body), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(aux["router_logits"]),
+                               rtol=1e-6, atol=1e-6)

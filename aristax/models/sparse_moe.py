@@ -23,6 +23,10 @@ product goes through ``matmul_out_in``:
 For long inputs the [out, in] GEMMs run about 10% below [in, out] ones (T=512), a
 small price next to the 2x that ``sparse_moe`` gains over ``aristax.moe`` on CPU.
 
+A documented specialisation of the one layer body (``aristax.moe.layer_body``) for
+dropless token choice without aux losses: y and the router logits equal ``moe``'s
+(``tests/test_sparse_moe.py::test_parity_with_the_layer_body``).
+
 Letters: T tokens, D model dim, F expert hidden dim, E experts, K experts per token.
 Numerics follow HF ``MixtralExperts``: y = sum over selected e (ascending) of
 w_e * down_e(silu(x gate_e) * (x up_e)).
