@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from aristax.pallas_kernels import BACKEND_NAMES
+
 ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid", "expert_choice")
 ACTIVATIONS = ("swiglu", "geglu", "gelu")
 DROP_POLICIES = ("position", "probability")
@@ -84,8 +86,6 @@ def _check_routing(cfg: Any, owner: str) -> None:
 
 def _check_implementation(value: Any) -> None:
     """None, a kernel backend name, or a non-empty list of them."""
-    from aristax.pallas_kernels import BACKEND_NAMES  # the kernels import no config
-
     names = [value] if isinstance(value, str) else value
     if value is not None and (
         not isinstance(names, Sequence) or not names

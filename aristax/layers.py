@@ -16,6 +16,8 @@ from jax.sharding import Mesh
 from aristax import routing as routing_lib
 from aristax.config import MoEConfig
 from aristax.moe import MoEParams, check_array, moe
+from aristax.parallel import (chunked_moe, expert_parallel_moe, expert_parallel_options,
+                              layout_experts, tokens_per_shard)
 from aristax.sharding import EXPERT_AXIS, sharded_param
 
 # Fan-in scaling of a stacked [E, in, out] weight: each expert on its own.
@@ -119,7 +121,6 @@ class MoE(nnx.Module):
         """Carry out ``plan`` (as ``plan=`` does) on a layer built without one, whose
         experts are in logical order (e.g. just loaded from a checkpoint): store them in
         the plan's physical slots and take its expert-parallel options."""
-        from aristax.parallel import expert_parallel_options, layout_experts
 
         if self.ep_options is not None:
             raise ValueError("this MoE already carries a plan; build a new layer for another")
@@ -143,7 +144,6 @@ class MoE(nnx.Module):
         options = dict(self.ep_options or ())
         if options.get("expert_perm") is None:
             return self.params()
-        from aristax.parallel import layout_experts
 
         return layout_experts(self.params(), options["expert_perm"], inverse=True)
 
@@ -192,20 +192,17 @@ class MoE(nnx.Module):
         mesh = self.mesh if self.mesh is not None else jax.sharding.get_abstract_mesh()
         chunks = min(cfg.num_chunks or 1, num_tokens)  # at most one chunk per token
         if self.ep_options is not None:
-            from aristax.parallel import expert_parallel_moe
 
             return functools.partial(expert_parallel_moe, mesh=mesh,
                                      **self.plan_call_options(num_tokens))
         if mesh is not None and not mesh.empty and EXPERT_AXIS in mesh.axis_names:
             # parallel imports this package
-            from aristax.parallel import expert_parallel_moe, tokens_per_shard
 
             local = tokens_per_shard(num_tokens, mesh)
             return functools.partial(expert_parallel_moe, mesh=mesh,
                                      num_chunks=max(1, min(chunks, local)),
                                      backend=cfg.exchange_backend)
         if chunks > 1:
-            from aristax.parallel import chunked_moe
 
             return functools.partial(chunked_moe, num_chunks=chunks)
         return moe
@@ -218,7 +215,6 @@ class MoE(nnx.Module):
         chunk per local token."""
         if self.ep_options is None:
             return None
-        from aristax.parallel import tokens_per_shard
 
         cfg = self.config
         mesh = self.mesh if self.mesh is not None else jax.sharding.get_abstract_mesh()
