@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
@@ -29,8 +30,8 @@ class ConfigError(ValueError):
 
 
 @dataclasses.dataclass
-class ModelConfig:
-    """A decoder LM whose FFN blocks are ``aristax.MoE`` (attention as Mixtral's)."""
+class LMConfig:
+    """The language model around the MoE blocks, and the widths they share with it."""
 
     vocab_size: int = 256  # bytes; a tokenizer file or token array sets its own
     d_model: int = 64
@@ -42,22 +43,27 @@ class ModelConfig:
     num_experts: int = 8
     top_k: int = 2
     d_ff: int = 128
-    activation: str = "swiglu"
-    router: str = "softmax_topk"
-    normalize_weights: bool = True
-    num_groups: int = 1
-    topk_groups: int = 1
-    routed_scaling_factor: float = 1.0
-    capacity_factor: Optional[float] = None
-    drop_policy: str = "position"
-    num_shared_experts: int = 0
-    bias_update_rate: float = 0.0
-    lb_loss_coef: float = 0.01
-    seq_aux_loss_coef: float = 0.0
-    z_loss_coef: float = 0.001
-    dtype: str = "float32"
-    # a kernel backend name or an ordered list of names (see MoEConfig.implementation)
-    implementation: Optional[Any] = None
+    dtype: str = "float32"  # the parameters' dtype (MoEConfig.param_dtype)
+
+
+# MoEConfig fields that are not model.X keys: the widths above, the dtypes (model.dtype
+# is the parameters'), and what the trainer or parallel.X sets.
+_NOT_MOE_KEYS = ("num_experts", "top_k", "d_model", "d_ff", "dtype", "param_dtype",
+                 "debug_checks", "num_chunks", "exchange_backend")
+# A type OmegaConf can check where MoEConfig's cannot be (a name or a list of names).
+_KEY_TYPES = {"implementation": Optional[Any]}
+MOE_KEYS = tuple(f.name for f in dataclasses.fields(MoEConfig) if f.name not in _NOT_MOE_KEYS)
+_MOE_TYPES = typing.get_type_hints(MoEConfig)
+
+ModelConfig = dataclasses.make_dataclass(
+    "ModelConfig",
+    [(f.name, _KEY_TYPES.get(f.name, _MOE_TYPES[f.name]), dataclasses.field(default=f.default))
+     for f in dataclasses.fields(MoEConfig) if f.name in MOE_KEYS],
+    bases=(LMConfig,),
+    namespace={"__doc__": "A decoder LM whose FFN blocks are ``aristax.MoE`` (attention "
+               "as Mixtral's): ``LMConfig``'s keys, and every ``MoEConfig`` option of "
+               "the blocks (``MOE_KEYS``) with MoEConfig's own defaults."})
+ModelConfig.__module__ = __name__
 
 
 @dataclasses.dataclass
@@ -239,15 +245,9 @@ def mixtral_config(m: ModelConfig, vocab_size: int | None = None) -> MixtralConf
 
 def moe_config(m: ModelConfig, p: ParallelConfig | None = None) -> MoEConfig:
     """The ``aristax.MoEConfig`` of every MoE block."""
-    fields: dict[str, Any] = dict(
+    fields: dict[str, Any] = {name: getattr(m, name) for name in MOE_KEYS} | dict(
         num_experts=m.num_experts, top_k=m.top_k, d_model=m.d_model, d_ff=m.d_ff,
-        activation=m.activation, router=m.router, normalize_weights=m.normalize_weights,
-        num_groups=m.num_groups, topk_groups=m.topk_groups,
-        routed_scaling_factor=m.routed_scaling_factor, capacity_factor=m.capacity_factor,
-        drop_policy=m.drop_policy, num_shared_experts=m.num_shared_experts,
-        bias_update_rate=m.bias_update_rate, lb_loss_coef=m.lb_loss_coef,
-        seq_aux_loss_coef=m.seq_aux_loss_coef, z_loss_coef=m.z_loss_coef,
-        param_dtype=m.dtype, implementation=m.implementation)
+        param_dtype=m.dtype)
     if p is not None:
         fields["exchange_backend"] = p.exchange_backend
         if p.num_chunks:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -10,8 +11,9 @@ import pytest
 from cuda_export import dot_precisions
 from flax import nnx
 
+from aristax import MoEConfig
 from aristax.train import ConfigError, TrainConfig, load_config
-from aristax.train.config import moe_config
+from aristax.train.config import MOE_KEYS, ModelConfig, moe_config
 from aristax.train.trainer import build_model
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "experiments" / "configs").glob("*.yaml"))
@@ -86,3 +88,25 @@ def test_trained_model_follows_jax_matmul_precision():
         found = dot_precisions(lambda s, ids: nnx.merge(graphdef, s)(ids).logits, state,
                                jnp.zeros((2, 8), jnp.int32))
     assert {p.precision for p in found} == {("HIGH", "HIGH"), ("HIGHEST", "HIGHEST")}, found
+
+
+def test_model_config_is_moe_config_for_the_moe_options():
+    """One set of fields and defaults: every MoEConfig option that is a model key has
+    MoEConfig's default, and a value set for each on the command line reaches the
+    blocks' MoEConfig."""
+    defaults = {f.name: f.default for f in dataclasses.fields(MoEConfig)}
+    model = ModelConfig()
+    assert {"router_jitter", "shared_d_ff", "normalize_weights", "z_loss_coef"} <= set(MOE_KEYS)
+    for key in MOE_KEYS:
+        assert getattr(model, key) == defaults[key], key
+    overrides = dict(activation="geglu", router="sigmoid", normalize_weights=True,
+                     num_groups=2, topk_groups=1, routed_scaling_factor=2.0,
+                     bias_update_rate=0.01, capacity_factor=1.5, drop_policy="probability",
+                     num_shared_experts=1, shared_d_ff=32, router_jitter=0.1,
+                     lb_loss_coef=0.02, seq_aux_loss_coef=0.001, z_loss_coef=0.003,
+                     implementation="reference")
+    assert set(overrides) == set(MOE_KEYS)
+    cfg = load_config(None, [f"model.{k}={v}" for k, v in overrides.items()])
+    moe = moe_config(cfg.model, cfg.parallel)
+    for key, value in overrides.items():
+        assert getattr(moe, key) == value, key
