@@ -23,7 +23,7 @@ from aristax.pallas_kernels.permute import api as permute_api
 from aristax.pallas_kernels.permute.reference import inverse_order
 from aristax.pallas_kernels.ragged_dot import api as ragged_dot_api
 from aristax.pallas_kernels.route import api as route_api
-from aristax.sharding import on_auto_axes, row_spec
+from aristax.pallas_kernels.tiling import on_auto_axes, row_spec
 
 
 @flax.struct.dataclass

@@ -12,7 +12,6 @@ from collections.abc import Callable
 
 import jax
 from flax import nnx
-from jax.sharding import AxisType, PartitionSpec as P
 
 EXPERT_AXIS = "expert"
 DATA_AXIS = "data"
@@ -51,40 +50,3 @@ def sharded_param(
 def param_partition_specs(module: nnx.Module) -> dict:
     """Nested dict (module attribute paths) of the ``PartitionSpec`` of every parameter."""
     return nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(module, nnx.Param)))
-
-
-def explicit_mesh(*arrays):
-    """The abstract mesh with Explicit axes that some input is typed on, else None."""
-    for a in arrays:
-        mesh = jax.typeof(a).sharding.mesh
-        if not mesh.empty and AxisType.Explicit in mesh.axis_types:
-            return mesh
-    return None
-
-
-def row_spec(a: jax.Array) -> P:
-    """The PartitionSpec of a [rows, columns] result that keeps ``a``'s row sharding."""
-    spec = jax.typeof(a).sharding.spec
-    return P(spec[0] if spec else None, None)
-
-
-def on_auto_axes(fn: Callable, *args, out_sharding):
-    """``fn(*args)``; where some array of ``args`` is typed on a mesh with Explicit axes
-    (e.g. made under ``jax.set_mesh``), with those axes made Auto
-    (``jax.sharding.auto_axes``), for ops that have no sharding rule on Explicit axes
-    (sort, gather, ``ragged_dot``). ``out_sharding``: PartitionSpecs of the outputs
-    there, or a function of no arguments that returns them (called only there)."""
-    mesh = explicit_mesh(*jax.tree.leaves(args))
-    if mesh is None:
-        return fn(*args)
-    if callable(out_sharding):
-        out_sharding = out_sharding()
-    axes = tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit)
-    with jax.sharding.use_abstract_mesh(mesh):
-        # arrays typed on no mesh (weights on one device) are typed replicated on it
-        # first: called eagerly, their gradients came back typed on the mesh's Auto twin,
-        # which no later op on the Explicit mesh (an optimizer update) accepts
-        args = jax.tree.map(
-            lambda a: jax.sharding.reshard(a, P()) if jax.typeof(a).sharding.mesh.empty else a,
-            args)
-        return jax.sharding.auto_axes(fn, axes=axes, out_sharding=out_sharding)(*args)

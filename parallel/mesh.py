@@ -23,7 +23,8 @@ from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 from aristax.moe import MoEParams
-from aristax.sharding import DATA_AXIS, EXPERT_AXIS, on_auto_axes
+from aristax.pallas_kernels.tiling import on_auto_axes
+from aristax.sharding import DATA_AXIS, EXPERT_AXIS
 
 MESH_AXES = (DATA_AXIS, EXPERT_AXIS)
 HIERARCHICAL_AXES = (DATA_AXIS, "node", "local")

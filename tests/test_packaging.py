@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import pathlib
 import subprocess
@@ -49,3 +50,32 @@ def test_wheel_installs_and_imports(tmp_path):
     bench = subprocess.run([sys.executable, "-m", "aristax.cli", "bench"], env=env,
                            cwd=tmp_path, capture_output=True, text=True)
     assert bench.returncode == 1 and "pip install -e ." in bench.stderr, bench.stderr
+
+
+def _aristax_imports(path: pathlib.Path) -> set[str]:
+    """The aristax modules a file imports, at any level (function-level ones too)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return {n for n in names if n.startswith("aristax")}
+
+
+def test_dependencies_point_one_way():
+    """kernels <- core <- parallel <- layers/models/train: the kernels import nothing
+    of aristax but themselves, the core nothing above it, parallel nothing above it."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    core = ("config", "routing", "dispatch", "experts", "moe", "sharding")
+    above_parallel = ("aristax.layers", "aristax.models", "aristax.train")
+    for path in (root / "pallas_kernels").rglob("*.py"):
+        bad = {n for n in _aristax_imports(path) if not n.startswith("aristax.pallas_kernels")}
+        assert not bad, (path, bad)
+    for name in core:
+        bad = {n for n in _aristax_imports(root / "aristax" / f"{name}.py")
+               if n.startswith(("aristax.parallel",) + above_parallel)}
+        assert not bad, (name, bad)
+    for path in (root / "parallel").rglob("*.py"):
+        bad = {n for n in _aristax_imports(path) if n.startswith(above_parallel)}
+        assert not bad, (path, bad)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import functools
 
 import jax
-from aristax.sharding import on_auto_axes, row_spec
+
+from aristax.pallas_kernels.tiling import on_auto_axes, row_spec
 
 
 def check(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_dtype, *,

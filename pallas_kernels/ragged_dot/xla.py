@@ -41,8 +41,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from aristax.pallas_kernels.tiling import is_pow2, varying_like
-from aristax.sharding import on_auto_axes, row_spec
+from aristax.pallas_kernels.tiling import is_pow2, on_auto_axes, row_spec, varying_like
 
 
 # The largest align ``XlaTiles.for_shape`` picks; it grows with the row count.
