@@ -27,6 +27,7 @@ import json
 import os
 import warnings
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 import jax
@@ -36,7 +37,10 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from aristax.models.mixtral import Mixtral, MixtralConfig
+from aristax.models.mixtral_config import MixtralConfig
+
+if TYPE_CHECKING:
+    from aristax.models.mixtral import Mixtral
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -137,12 +141,15 @@ def _set(param: nnx.Variable, array: np.ndarray, dtype) -> None:
     param.set_value(jnp.asarray(np.ascontiguousarray(array), dtype))
 
 
-def load_pretrained(directory: str | os.PathLike, *, dtype: str | None = None,
+def load_pretrained(model_class: type[Mixtral], directory: str | os.PathLike, *,
+                    dtype: str | None = None,
                     matmul_precision: str | None = MixtralConfig.matmul_precision,
                     mesh=None, plan=None) -> Mixtral:
     """Read a Hugging Face Mixtral directory into a ``Mixtral`` (in eval mode).
 
     Args:
+      model_class: ``Mixtral`` (``Mixtral.from_pretrained`` passes itself: the model
+        imports this module, not the other way round).
       directory: holds config.json and the safetensors file(s).
       dtype: parameter dtype (default: ``MixtralConfig.dtype``, "float32").
       matmul_precision: ``MixtralConfig.matmul_precision`` (default "highest": float32
@@ -162,7 +169,7 @@ def load_pretrained(directory: str | os.PathLike, *, dtype: str | None = None,
         overrides["dtype"] = dtype
     cfg = MixtralConfig.from_hf(json.loads(config_path.read_text()), **overrides)
     reader = _Reader(directory)
-    model = nnx.eval_shape(lambda: Mixtral(cfg, rngs=nnx.Rngs(0), mesh=mesh))
+    model = nnx.eval_shape(lambda: model_class(cfg, rngs=nnx.Rngs(0), mesh=mesh))
     V, D, dt = cfg.vocab_size, cfg.hidden_size, cfg.dtype
     H, G, Dh, E = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, \
         cfg.num_local_experts
