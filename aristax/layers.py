@@ -121,7 +121,6 @@ class MoE(nnx.Module):
         """Carry out ``plan`` (as ``plan=`` does) on a layer built without one, whose
         experts are in logical order (e.g. just loaded from a checkpoint): store them in
         the plan's physical slots and take its expert-parallel options."""
-
         if self.ep_options is not None:
             raise ValueError("this MoE already carries a plan; build a new layer for another")
         if self.mesh is None:
@@ -144,7 +143,6 @@ class MoE(nnx.Module):
         options = dict(self.ep_options or ())
         if options.get("expert_perm") is None:
             return self.params()
-
         return layout_experts(self.params(), options["expert_perm"], inverse=True)
 
     def params(self) -> MoEParams:
@@ -192,18 +190,14 @@ class MoE(nnx.Module):
         mesh = self.mesh if self.mesh is not None else jax.sharding.get_abstract_mesh()
         chunks = min(cfg.num_chunks or 1, num_tokens)  # at most one chunk per token
         if self.ep_options is not None:
-
             return functools.partial(expert_parallel_moe, mesh=mesh,
                                      **self.plan_call_options(num_tokens))
         if mesh is not None and not mesh.empty and EXPERT_AXIS in mesh.axis_names:
-            # parallel imports this package
-
             local = tokens_per_shard(num_tokens, mesh)
             return functools.partial(expert_parallel_moe, mesh=mesh,
                                      num_chunks=max(1, min(chunks, local)),
                                      backend=cfg.exchange_backend)
         if chunks > 1:
-
             return functools.partial(chunked_moe, num_chunks=chunks)
         return moe
 
@@ -215,7 +209,6 @@ class MoE(nnx.Module):
         chunk per local token."""
         if self.ep_options is None:
             return None
-
         cfg = self.config
         mesh = self.mesh if self.mesh is not None else jax.sharding.get_abstract_mesh()
         options = dict(self.ep_options)

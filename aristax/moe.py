@@ -336,10 +336,11 @@ def routed_experts(
 
     permute -> ``expert_mlp`` -> combine; a dropless layout for the platform's default
     grouped GEMM is first aligned to its tiles (``dispatch.align_groups``). When
-    ``dispatch`` is ``dropless`` and ``config.implementation`` names kernels: the fused ``moe_mlp`` does all three if
-    one of them serves it (``fused_experts``); else permute and combine run on the
-    ``pallas_kernels`` backends it names that serve them (the reference where none
-    does). xc: [T, D] in the compute dtype; weights: [T, K] combine weights.
+    ``dispatch`` is ``dropless`` and ``config.implementation`` names kernels: the fused
+    ``moe_mlp`` does all three if one of them serves it (``fused_experts``); else
+    permute and combine run on the ``pallas_kernels`` backends it names that serve them
+    (the reference where none does). xc: [T, D] in the compute dtype; weights: [T, K]
+    combine weights.
     """
     def experts(rows):
         return expert_mlp(rows, dispatch.group_sizes, params.gate_edf, params.up_edf,

@@ -27,8 +27,8 @@ import json
 import os
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
