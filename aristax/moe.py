@@ -358,7 +358,7 @@ def routed_experts(
                       params, config)
     if y is not None:
         return y
-    names = frontdoor.with_reference(config.implementation, permute_api.PERMUTE)
+    names = frontdoor.with_reference(config.implementation, permute_api.BACKENDS)
     kw = dict(num_valid=dispatch.num_routed, implementation=names)
     rows = permute_api.permute(xc, order, top_k=weights.shape[1], **kw)
     return permute_api.combine(experts(rows), order, weights, **kw)

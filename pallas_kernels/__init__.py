@@ -15,7 +15,7 @@ from aristax.pallas_kernels.route import api as _route_api
 
 # Every backend name some op registers: what ``MoEConfig.implementation`` may name.
 BACKEND_NAMES: tuple[str, ...] = tuple(sorted(
-    set(_moe_mlp_api.BACKENDS) | set(_permute_api.PERMUTE) | set(_ragged_dot_api.BACKENDS)
+    set(_moe_mlp_api.BACKENDS) | set(_permute_api.BACKENDS) | set(_ragged_dot_api.BACKENDS)
     | set(_route_api.BACKENDS)))
 
 __all__ = ["BACKEND_NAMES", "RouteOutput", "combine", "moe_mlp", "permute", "ragged_dot",

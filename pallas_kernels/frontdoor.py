@@ -1,10 +1,14 @@
 """The one backend-choice rule shared by every op's ``api.py``.
 
-An op has a registry ``{name: callable}`` and a default order per platform. A call
-names a backend, an ordered list of backends, or None (the platform default, always
-ending in "reference"). Backends are tried in order; one that cannot serve a call
-raises ``NotImplementedError`` with its reason and the next is tried. When none serves,
-the error lists every backend's reason, so a failing reference is never hidden.
+Every op has the same registry shape: ``BACKENDS = {name: backend module}`` and
+``DEFAULT_ORDER = {jax platform: (names...)}``. Every backend module follows one
+protocol: ``check(<the op's operands>, *, interpret)`` raises ``NotImplementedError``
+with its reason when the backend cannot serve the call (its forward and backward),
+and the op's functions (``gmm``/``tgmm``, ``route``, ``permute``/``combine`` and their
+backwards, ``moe_mlp``) compute it. A call names a backend, an ordered list of
+backends, or None (the platform default, always ending in "reference"); ``choose``
+returns the first whose ``check`` accepts, before anything runs. When none serves, the
+error lists every backend's reason, so a failing reference is never hidden.
 
 Pallas backends run compiled on GPU and in interpret mode on CPU: ``interpret=None``
 means "interpret iff the default backend is the CPU"; ``jax.export(...,
@@ -15,7 +19,7 @@ kernel.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -37,7 +41,7 @@ def matmul_precision() -> str | None:
 
 def candidates(
     op: str,
-    registry: Mapping[str, Callable[..., Any]],
+    registry: Mapping[str, Any],
     default_order: Mapping[str, Sequence[str]],
     implementation: Implementation,
 ) -> tuple[str, ...]:
@@ -73,6 +77,12 @@ def with_reference(implementation: str | Sequence[str],
     return names if "reference" in names else names + ["reference"]
 
 
+def tiles_for(tiles: Any, name: str) -> Any:
+    """A call's ``tiles=`` for backend ``name``: a mapping {backend name: tiles} gives
+    that backend's entry (None when it has none); anything else is passed as is."""
+    return tiles.get(name) if isinstance(tiles, Mapping) else tiles
+
+
 def resolve_interpret(interpret: bool | None) -> bool:
     """``interpret=None`` -> interpret mode iff JAX's default backend is the CPU."""
     return jax.default_backend() == "cpu" if interpret is None else bool(interpret)
@@ -90,28 +100,7 @@ def interprets(implementation: Implementation) -> bool:
             and resolve_interpret(None))
 
 
-def call_first(
-    op: str,
-    registry: Mapping[str, Callable[..., Any]],
-    names: Sequence[str],
-    *args: Any,
-    **kwargs: Any,
-) -> Any:
-    """Call ``registry[name](*args, **kwargs)`` for the first name that serves."""
-    reasons = []
-    for name in names:
-        try:
-            return registry[name](*args, **kwargs)
-        except NotImplementedError as err:
-            reasons.append(f"{name}: {err}")
-    raise NotImplementedError(
-        f"{op}: no backend in {list(names)} serves this call ("
-        + "; ".join(reasons)
-        + "); add 'reference' to the list or change the inputs"
-    )
-
-
-def first_serving(
+def choose(
     op: str,
     backends: Mapping[str, Any],
     names: Sequence[str],
@@ -119,10 +108,18 @@ def first_serving(
     interpret: bool,
 ) -> str:
     """The first of ``names`` whose backend module's ``check(*args, interpret=)``
-    accepts the call (``call_first``'s rule and error, without running the op)."""
-    def accepts(name):
-        def check(*args):
+    accepts the call. ``NotImplementedError`` listing every backend's reason when none
+    does."""
+    reasons = []
+    for name in names:
+        try:
             backends[name].check(*args, interpret=interpret)
+        except NotImplementedError as err:
+            reasons.append(f"{name}: {err}")
+        else:
             return name
-        return check
-    return call_first(op, {n: accepts(n) for n in names}, names, *args)
+    raise NotImplementedError(
+        f"{op}: no backend in {list(names)} serves this call ("
+        + "; ".join(reasons)
+        + "); add 'reference' to the list or change the inputs"
+    )

@@ -10,6 +10,9 @@ from collections.abc import Callable
 import jax
 from jax.sharding import AxisType, PartitionSpec as P
 
+# Most experts per token a kernel serves: its loops over the K choices are unrolled.
+MAX_TOP_K = 64
+
 
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (>= 1): Triton block shapes must be powers of two."""

@@ -54,12 +54,11 @@ def kernel_calls(monkeypatch):
 
         return call
 
-    for registry, op in ((permute_api.PERMUTE, "permute"), (permute_api.COMBINE, "combine"),
-                         (route_api.BACKENDS, "route")):
-        for name, fn in list(registry.items()):
-            monkeypatch.setitem(registry, name, recording(name, op, fn))
-    for name, module in ragged_dot_api.BACKENDS.items():
-        monkeypatch.setattr(module, "gmm", recording(name, "ragged_dot", module.gmm))
+    for api, op, fn_name in ((permute_api, "permute", "permute"),
+                             (permute_api, "combine", "combine"), (route_api, "route", "route"),
+                             (ragged_dot_api, "ragged_dot", "gmm")):
+        for name, module in api.BACKENDS.items():
+            monkeypatch.setattr(module, fn_name, recording(name, op, getattr(module, fn_name)))
     for name, module in moe_mlp_api.BACKENDS.items():
         if name != "reference":  # the reference is not a fused kernel
             monkeypatch.setattr(module, "moe_mlp", recording(name, "moe_mlp", module.moe_mlp))

@@ -79,3 +79,38 @@ def test_dependencies_point_one_way():
     for path in (root / "parallel").rglob("*.py"):
         bad = {n for n in _aristax_imports(path) if n.startswith(above_parallel)}
         assert not bad, (path, bad)
+
+
+def _private_uses(path: pathlib.Path) -> set[str]:
+    """Private names (``_x``) that ``path`` takes from another aristax module: imported
+    by name, or read as an attribute of a module it imported."""
+    tree = ast.parse(path.read_text())
+    modules, used = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("aristax"):
+            for alias in node.names:
+                if alias.name.startswith("_") and alias.name != "__future__":
+                    used.add(f"{node.module}.{alias.name}")
+                modules.add(alias.asname or alias.name)
+        elif isinstance(node, ast.Import):
+            modules.update(a.asname or a.name for a in node.names if a.name.startswith("aristax"))
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and isinstance(node.value, ast.Name) and node.value.id in modules):
+            used.add(f"{node.value.id}.{node.attr}")
+    return used
+
+
+def test_kernel_backends_share_only_public_code():
+    """A kernel backend uses no private name of another module (shared code lives in
+    public common modules), and a backend family imports no other family's backends:
+    Triton files import no Mosaic GPU module and the other way round."""
+    root = pathlib.Path(__file__).resolve().parents[1] / "pallas_kernels"
+    families = {"triton": "mosaic_gpu", "mosaic_gpu": "triton"}
+    for path in root.rglob("*.py"):
+        assert not _private_uses(path), (path, _private_uses(path))
+        family = next((f for f in families if path.stem.startswith(f)), None)
+        if family is not None:
+            other = {n for n in _aristax_imports(path) if families[family] in n}
+            assert not other, (path, other)

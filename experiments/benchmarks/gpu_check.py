@@ -182,8 +182,8 @@ OPS = ("ragged_dot", "moe_mlp", "layer", "route", "permute", "combine")
 def backends(op: str) -> list:
     """Every backend of ``op`` (the layer: every ``implementation``, None first)."""
     registry = {"ragged_dot": ragged_dot_api.BACKENDS, "moe_mlp": moe_mlp_api.BACKENDS,
-                "route": route_api.BACKENDS, "permute": permute_api.PERMUTE,
-                "combine": permute_api.COMBINE}.get(op)
+                "route": route_api.BACKENDS, "permute": permute_api.BACKENDS,
+                "combine": permute_api.BACKENDS}.get(op)
     if registry is None:
         return [None, *BACKEND_NAMES]
     return [n for n in registry if n != "reference"] + ["reference"]

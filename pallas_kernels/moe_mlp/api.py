@@ -1,9 +1,9 @@
 """The front door of the fused expert MLP: validation, backend choice, the custom_vjp.
 
-Letters: T tokens, D model dim, F expert hidden dim, E experts, K slots per token,
+Letters: T tokens, D model dim, F expert hidden dim, E experts, K experts per token,
 M = T*K rows in expert order.
 
-A backend is a module in this folder with
+A backend is a module in this folder (the protocol of ``frontdoor``) with
   ``check(x, weights, up_edf, *, interpret)``: NotImplementedError with the reason
       when it cannot serve (forward and backward);
   ``moe_mlp(x, sort_order, weights, group_sizes, num_valid, gate_edf, up_edf,
@@ -18,7 +18,7 @@ backends of the same name of ``permute`` and ``ragged_dot``. With w_m = weights.
   rows = permute(x);  gate, up = rows @ {gate, up}[e];  h = act(gate, up)
 and, for the cotangent dy [T, D] (float32), gathers dy_rows = permute(dy) and uses
 out_rows[m] = h[m] @ down[e] only through g = dy_rows @ down[e]^T ([M, F]):
-  dweights[slot of m] = <h[m], g[m]>     (= <dy[token], out_rows[m]>, no out_rows)
+  dweights[assignment of m] = <h[m], g[m]>     (= <dy[token], out_rows[m]>, no out_rows)
   dh = w * g;  ddown = tgmm(h, w * dy_rows)
   dgate, dup = the activation's vjp (jnp) at (gate, up) applied to dh
   drows = [dgate | dup] @ [gate[e]^T; up[e]^T];  dgate_w, dup_w = tgmm(rows, dgate/dup)
@@ -31,7 +31,7 @@ sort_order, group_sizes and num_valid get no gradient.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from types import ModuleType
 from typing import Any
 
 import jax
@@ -44,7 +44,8 @@ from aristax.pallas_kernels.ragged_dot import api as ragged_dot_api
 from aristax.pallas_kernels.tiling import vary_alike
 
 OP = "moe_mlp"
-BACKENDS = {"reference": reference, "triton": triton, "mosaic_gpu": mosaic_gpu}
+BACKENDS: dict[str, ModuleType] = {
+    "reference": reference, "triton": triton, "mosaic_gpu": mosaic_gpu}
 DEFAULT_ORDER: dict[str, tuple[str, ...]] = {
     "gpu": ("triton", "reference"),
     "cuda": ("triton", "reference"),
@@ -132,7 +133,7 @@ def _hidden_and_vjp(gmm, rows, gate, up, activation: str):
                    gmm(rows, gate, jnp.float32), up_pre)
 
 
-def _slot_values(values, sort_order, shape):
+def _assignment_values(values, sort_order, shape):
     """[T, K] from per-row values [M]: out.flat[sort_order[m]] = values[m]."""
     return jnp.zeros_like(values).at[sort_order].set(values).reshape(shape)
 
@@ -148,7 +149,7 @@ def _kernel_grads(name, activation, interpret, tiles, residuals, dy):
     x, sort_order, weights, group_sizes, nv, gate, up, down = residuals
     dtype, top_k, f32 = x.dtype, weights.shape[1], jnp.float32
     gmm, tgmm = _gemms(name, group_sizes, BACKENDS[name].backward_tiles(tiles), interpret)
-    permute = functools.partial(permute_api.PERMUTE[name], sort_order=sort_order,
+    permute = functools.partial(permute_api.BACKENDS[name].permute, sort_order=sort_order,
                                 num_valid=nv, top_k=top_k, interpret=interpret)
     rows = permute(x)
     h, act_vjp = _hidden_and_vjp(gmm, rows, gate, up, activation)
@@ -156,7 +157,7 @@ def _kernel_grads(name, activation, interpret, tiles, residuals, dy):
     dy_rows = permute(dy.astype(f32))  # [M, D], zero past nv
     g = gmm(dy_rows.astype(dtype), _transposed(down), f32)
     w = jnp.take(weights.reshape(-1).astype(f32), sort_order)[:, None]
-    dweights = _slot_values(jnp.sum(h.astype(f32) * g, axis=1), sort_order, weights.shape)
+    dweights = _assignment_values(jnp.sum(h.astype(f32) * g, axis=1), sort_order, weights.shape)
     ddown = tgmm(h, (w * dy_rows).astype(dtype), down.dtype)
     dh = (w * g).astype(dtype).astype(f32)  # h entered the down GEMM in the compute dtype
     d_pre = [d.astype(dtype) for d in act_vjp(dh)]
@@ -166,18 +167,13 @@ def _kernel_grads(name, activation, interpret, tiles, residuals, dy):
     drows = gmm(jnp.concatenate(d_pre, axis=1),
                 jnp.concatenate([_transposed(m) for m in mats], axis=1), f32)
     dmats = [tgmm(rows, d, m.dtype) for d, m in zip(d_pre, mats)]
-    dx = permute_api.PERMUTE_BWD[name](drows, sort_order, nv, top_k=top_k, x_dtype=dtype,
-                                       interpret=interpret)
+    dx = permute_api.BACKENDS[name].permute_bwd(drows, sort_order, nv, top_k=top_k,
+                                                x_dtype=dtype, interpret=interpret)
     dgate, dup = (None, dmats[0]) if gate is None else dmats
     return (dx, None, dweights.astype(weights.dtype), None, None, dgate, dup, ddown)
 
 
 _kernel_moe_mlp.defvjp(_kernel_fwd, _kernel_bwd)
-
-
-def _tiles_for(tiles: Any, name: str) -> Any:
-    """A mapping {backend name: tiles} gives that backend's entry; else as is."""
-    return tiles.get(name) if isinstance(tiles, Mapping) else tiles
 
 
 def fused_backend(implementation: frontdoor.Implementation, x, weights, up_edf, *,
@@ -225,12 +221,12 @@ def moe_mlp(
 
     rows[m] = x[sort_order[m] // K] (expert order); h = act(rows @ gate[e],
     rows @ up[e]) per expert group; out_rows = h @ down[e];
-    y[t] = sum_k weights[t, k] * out_rows[row of slot t*K + k]. Rows at or past
+    y[t] = sum_k weights[t, k] * out_rows[row of assignment t*K + k]. Rows at or past
     ``num_valid`` contribute nothing. Equals ``aristax.moe``'s dropless path
     (permute -> expert_mlp -> combine), casts included.
 
     Args:
-      x: [T, D] tokens in the compute dtype. sort_order: int[T*K] flat slot of each
+      x: [T, D] tokens in the compute dtype. sort_order: int[T*K] flat assignment of each
         row in expert order (``route``). weights: [T, K] combine weights.
       group_sizes: int[E] rows per expert.
       gate_edf: [E, D, F] ("swiglu", "geglu") or None ("gelu"). up_edf: [E, D, F].
@@ -257,11 +253,11 @@ def moe_mlp(
     sort_order, group_sizes = sort_order.astype(jnp.int32), group_sizes.astype(jnp.int32)
     names = frontdoor.candidates(OP, BACKENDS, DEFAULT_ORDER, implementation)
     interpret = frontdoor.resolve_interpret(interpret)
-    name = frontdoor.first_serving(OP, BACKENDS, names, x, weights, up, interpret=interpret)
+    name = frontdoor.choose(OP, BACKENDS, names, x, weights, up, interpret=interpret)
     if name == "reference":
         return reference.moe_mlp(x, sort_order, weights, group_sizes, gate, up, down,
                                  activation=activation, num_valid=num_valid)
     nv = reference.valid_rows(num_valid, group_sizes)
     operands = vary_alike(x, sort_order, weights, group_sizes, nv, gate, up, down)
-    return _kernel_moe_mlp(*operands, name, activation, interpret, _tiles_for(tiles, name),
+    return _kernel_moe_mlp(*operands, name, activation, interpret, frontdoor.tiles_for(tiles, name),
                            frontdoor.matmul_precision())

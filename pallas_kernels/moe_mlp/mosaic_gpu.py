@@ -2,7 +2,7 @@
 the row gather in its prologue and the activation in its epilogue; the down grouped
 GEMM with the routing-weight multiply and the combine in its epilogue.
 
-Letters: T tokens, D model dim, F expert hidden dim, E experts, K slots per token,
+Letters: T tokens, D model dim, F expert hidden dim, E experts, K experts per token,
 M = T*K rows in expert order, nv = the valid rows, BM/BN/BK tile sizes.
 
 Kernel ``_gate_up_body`` walks ``ragged_dot.mosaic_gpu.row_tile_schedule`` (a row
@@ -12,14 +12,14 @@ x[sort_order[m] // K] by one-row TMA copies into a staging tile (rows past nv co
 a zero row), copies the staging tile through registers into the wgmma operand tile
 (per-row TMA straight into the operand tile does not pass layout inference), and
 runs one wgmma per weight (gate, up) into float32 accumulators; the epilogue applies
-the activation (``moe_mlp.triton.activate``: exp and a Chebyshev erfc, no erf
+the activation (``activation.activate``: exp and a Chebyshev erfc, no erf
 lowering needed) and stores h [M, F] in x's dtype.
 Kernel ``_down_scatter_body`` walks the same schedule over D tiles: the pipelined
 K loop of ``ragged_dot.mosaic_gpu`` (``_gmm_tile``) gives the float32 tile
 h[rows] @ down[e] in SMEM; the epilogue multiplies each row m by its routing weight
 w.flat[s] (s = sort_order[m]; 0 for rows past nv) and stores it by a one-row TMA to
-row s of a slot-ordered [T*K, D] array; y sums each token's K slots (in order, as
-the reference combine). sort_order is a permutation, so every slot is written
+row s of a assignment-ordered [T*K, D] array; y sums each token's K assignments (in order, as
+the reference combine). sort_order is a permutation, so every assignment is written
 exactly once: no zero fill, no atomics, deterministic, and the kernel batches under
 ``jax.vmap`` like every ``plgpu.kernel``. (A scatter-add into y by float atomics
 would save the [T*K, D] round trip, but Pallas' Mosaic GPU interpreter has no
@@ -27,8 +27,8 @@ atomics and a kernel that updates a zero-filled ref cannot be batched in JAX 0.1
 The backward (``api._kernel_bwd``) runs on the Mosaic GPU ``ragged_dot`` and
 ``permute`` kernels.
 
-The gate/up K loop is double-buffered (two slots of staging and weight tiles, a
-barrier pair per slot): step kk+1's gathers and weight copies are in flight while
+The gate/up K loop is double-buffered (two buffers of staging and weight tiles, a
+barrier pair per buffer): step kk+1's gathers and weight copies are in flight while
 step kk waits for its own, copies and multiplies. The operand tile is single: each
 step waits for the previous wgmma before overwriting it. Never run on a GPU: correct
 in interpret mode (race detector on; it does not model the asynchrony of wgmma, so
@@ -45,11 +45,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from aristax.pallas_kernels.moe_mlp.triton import activate
-from aristax.pallas_kernels.permute import mosaic_gpu as permute_mg
+from aristax.pallas_kernels.moe_mlp.activation import activate
+from aristax.pallas_kernels import mosaic_gpu_common as mgpu
 from aristax.pallas_kernels.ragged_dot import mosaic_gpu as mg
+from aristax.pallas_kernels.tiling import MAX_TOP_K
 
-MAX_TOP_K = permute_mg.MAX_TOP_K
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,22 +66,22 @@ class GateUpTiles:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if not isinstance(v, int) or v < 1 or v % mg.ALIGN:
+            if not isinstance(v, int) or v < 1 or v % mgpu.ALIGN:
                 raise ValueError(f"GateUpTiles.{f.name} must be a positive multiple of "
-                                 f"{mg.ALIGN}; got {v!r}")
-        if self.block_k != mg.ALIGN:
-            raise ValueError(f"GateUpTiles.block_k must be {mg.ALIGN}; got {self.block_k}")
+                                 f"{mgpu.ALIGN}; got {v!r}")
+        if self.block_k != mgpu.ALIGN:
+            raise ValueError(f"GateUpTiles.block_k must be {mgpu.ALIGN}; got {self.block_k}")
 
     @classmethod
     def for_shape(cls, d_ff: int) -> GateUpTiles:
         """Column tiles of 128 where 128 divides F, else 64. Untuned."""
-        return cls(block_n=128 if d_ff % 128 == 0 else mg.ALIGN)
+        return cls(block_n=128 if d_ff % 128 == 0 else mgpu.ALIGN)
 
     def fit(self, d_ff: int) -> GateUpTiles:
         """These tiles with block_n dropped to 64 when it does not divide F (which
         ``check`` makes a multiple of 64)."""
         return self if d_ff % self.block_n == 0 else dataclasses.replace(
-            self, block_n=mg.ALIGN)
+            self, block_n=mgpu.ALIGN)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,19 +119,19 @@ def check(x: jax.Array, weights: jax.Array, up_edf: jax.Array, *,
     compiled only on Hopper or when cross-lowering.
     """
     (T, D), K, F = x.shape, weights.shape[1], up_edf.shape[2]
-    mg.raise_if(
+    mgpu.raise_if(
         "mosaic_gpu",
         None if min(T, D, F, up_edf.shape[0]) >= 1 else
         f"empty operand (T={T}, D={D}, F={F}, E={up_edf.shape[0]})",
         None if K <= MAX_TOP_K else f"top_k={K} > {MAX_TOP_K}",
-        None if jnp.dtype(x.dtype) in mg.INPUT_DTYPES else
+        None if jnp.dtype(x.dtype) in mgpu.INPUT_DTYPES else
         f"x dtype {x.dtype} (bfloat16/float16: float32 would run as TF32 on wgmma)",
-        None if (T * K) % mg.ROW_ALIGN == 0 else
-        f"T*K={T * K} must be a multiple of {mg.ROW_ALIGN}",
-        None if F % mg.ALIGN == 0 else f"F={F} must be a multiple of {mg.ALIGN}",
-        None if D % permute_mg.ROW_ALIGN == 0 else
-        f"D={D} must be a multiple of {permute_mg.ROW_ALIGN}",
-        mg._platform_reason(interpret),
+        None if (T * K) % mgpu.ROW_ALIGN == 0 else
+        f"T*K={T * K} must be a multiple of {mgpu.ROW_ALIGN}",
+        None if F % mgpu.ALIGN == 0 else f"F={F} must be a multiple of {mgpu.ALIGN}",
+        None if D % mgpu.WARPGROUP_ROW == 0 else
+        f"D={D} must be a multiple of {mgpu.WARPGROUP_ROW}",
+        mgpu.platform_reason(interpret),
     )
 
 
@@ -155,7 +155,7 @@ def _gate_up_body(sched_gmem, order_gmem, nv_gmem, x_gmem, zero_gmem, *refs,
     scheduled (expert, row tile), F tile; refs = ([gate,] up, h).
 
     The K loop is double-buffered: step kk issues step kk+1's row gathers and weight
-    copies into slot (kk+1) % 2, then waits for its own slot and multiplies; a slot
+    copies into buffer (kk+1) % 2, then waits for its own buffer and multiplies; a buffer
     is refilled only after the wgmma that read it has been waited for.
     """
     *mats, h_gmem = refs
@@ -174,32 +174,32 @@ def _gate_up_body(sched_gmem, order_gmem, nv_gmem, x_gmem, zero_gmem, *refs,
                 p = jnp.minimum(row0 + r, m - 1)
                 return jnp.minimum(order_gmem[p] // top_k, T - 1), row0 + r < nv
 
-            def start_loads(kk, slot):
+            def start_loads(kk, buf):
                 for mat, dst in zip(mats, w_smem):
                     plgpu.copy_gmem_to_smem(
-                        mat.at[expert, pl.ds(kk * bk, bk), pl.ds(col0, bn)], dst.at[slot],
-                        w_barrier.at[slot])
-                permute_mg.start_row_gathers(x_gmem, zero_gmem, stage.at[slot],
-                                             rows_barrier.at[slot], source_row, kk * bk, bk)
+                        mat.at[expert, pl.ds(kk * bk, bk), pl.ds(col0, bn)], dst.at[buf],
+                        w_barrier.at[buf])
+                mgpu.start_row_gathers(x_gmem, zero_gmem, stage.at[buf],
+                                             rows_barrier.at[buf], source_row, kk * bk, bk)
 
             def accumulate(*accs):
                 start_loads(0, 0)
 
                 @pl.loop(0, steps)
                 def _(kk):
-                    slot = kk % 2
-                    plgpu.wgmma_wait(0)  # step kk-1 no longer reads slot 1 - slot
+                    buf = kk % 2
+                    plgpu.wgmma_wait(0)  # step kk-1 no longer reads buffer 1 - buf
 
                     @pl.when(kk + 1 < steps)
                     def _():
-                        start_loads(kk + 1, 1 - slot)
+                        start_loads(kk + 1, 1 - buf)
 
-                    plgpu.barrier_wait(rows_barrier.at[slot])
-                    plgpu.barrier_wait(w_barrier.at[slot])
-                    a_smem[...] = stage[slot]
+                    plgpu.barrier_wait(rows_barrier.at[buf])
+                    plgpu.barrier_wait(w_barrier.at[buf])
+                    a_smem[...] = stage[buf]
                     plgpu.commit_smem()
                     for acc, w in zip(accs, w_smem):
-                        plgpu.wgmma(acc, a_smem, w.at[slot])
+                        plgpu.wgmma(acc, a_smem, w.at[buf])
 
                 plgpu.wgmma_wait(0)
                 pre = [acc[...] for acc in accs]
@@ -209,12 +209,12 @@ def _gate_up_body(sched_gmem, order_gmem, nv_gmem, x_gmem, zero_gmem, *refs,
             def _():
                 h = pl.run_scoped(accumulate,
                                   *[plgpu.ACC((bm, bn), jnp.float32) for _ in mats])
-                mg._store_rows(h.astype(h_gmem.dtype), h_gmem, row0, lo, hi, col0,
+                mgpu.store_rows(h.astype(h_gmem.dtype), h_gmem, row0, lo, hi, col0,
                                min(bm, m))
 
             @pl.when((hi > lo) & (expert == num_experts))  # rows past the routed ones
             def _():
-                mg._store_rows(jnp.zeros((bm, bn), h_gmem.dtype), h_gmem, row0, lo, hi,
+                mgpu.store_rows(jnp.zeros((bm, bn), h_gmem.dtype), h_gmem, row0, lo, hi,
                                col0, min(bm, m))
 
     dtype = x_gmem.dtype
@@ -233,18 +233,17 @@ def gate_up(x, sort_order, num_valid, group_sizes, gate_edf, up_edf, *, activati
     mats = [w for w in (gate_edf, up_edf) if w is not None]
     body = functools.partial(_gate_up_body, top_k=top_k, activation=activation,
                              tiles=tiles)
-    return permute_mg._launch(
-        body, jax.ShapeDtypeStruct((m, f), x.dtype), interpret,
+    return mgpu.launch(body, jax.ShapeDtypeStruct((m, f), x.dtype), interpret)(
         mg.row_tile_schedule(group_sizes, m, tiles.block_m), sort_order,
-        jnp.asarray(num_valid, jnp.int32).reshape(1), x, permute_mg._zero_row(d, x.dtype),
+        jnp.asarray(num_valid, jnp.int32).reshape(1), x, mgpu.zero_row(d, x.dtype),
         *mats)
 
 
 def _down_scatter_body(sched_gmem, order_gmem, w_gmem, nv_gmem, h_gmem, down_gmem,
                        out_gmem, *, tiles: mg.MosaicTiles):
     """out[s] = w.flat[s] * (h[m] @ down[e]) with s = sort_order[m] for the rows m < nv
-    of each scheduled (expert, row tile), D tile; 0 for the other rows' slots. Every
-    slot is some row's (sort_order is a permutation), so out is written once."""
+    of each scheduled (expert, row tile), D tile; 0 for the other rows' assignments. Every
+    assignment is some row's (sort_order is a permutation), so out is written once."""
     d = out_gmem.shape[1]
     bm, bn = tiles.block_m, tiles.block_n
     num_experts, nv = down_gmem.shape[0], nv_gmem[0]
@@ -258,7 +257,7 @@ def _down_scatter_body(sched_gmem, order_gmem, w_gmem, nv_gmem, h_gmem, down_gme
         def scatter(tile):
             @pl.when(expert < num_experts)  # the pseudo-group's rows are all past nv
             def _():
-                tile[...] = mg._gmm_tile(h_gmem, down_gmem.at[expert], block, ni, tiles)
+                tile[...] = mgpu.gmm_tile(h_gmem, down_gmem.at[expert], block, ni, tiles)
 
             @pl.loop(lo, hi)
             def _(r):  # by branch: a non-finite h row past nv must not leak as NaN * 0
@@ -288,26 +287,25 @@ def _down_scatter_body(sched_gmem, order_gmem, w_gmem, nv_gmem, h_gmem, down_gme
 
 def down_combine(h, down_efd, sort_order, weights, num_valid, group_sizes, *,
                  tiles: mg.MosaicTiles | None = None, interpret=False) -> jax.Array:
-    """y [T, D] float32, y[t] = sum_k weights[t, k] * (h @ down[e])[row of slot t*K+k]
+    """y [T, D] float32, y[t] = sum_k weights[t, k] * (h @ down[e])[row of assignment t*K+k]
     over the rows below num_valid: the down grouped GEMM whose epilogue multiplies
-    each row by its routing weight and stores it to its slot (out [T*K, D] in slot
-    order, each slot written once); y sums each token's K slots in order.
+    each row by its routing weight and stores it to its assignment (out [T*K, D] in assignment
+    order, each written once); y sums each token's K assignments in order.
 
     h: [M, F] in expert order (16-bit); down_efd: [E, F, D], h's dtype.
     """
     (m, f), (e, _, d), (T, K) = h.shape, down_efd.shape, weights.shape
     # the scatter holds its float32 tile in SMEM around the GEMM's pipeline
-    tiles = mg._resolve_tiles(tiles, m, f, d, e, h.dtype, jnp.float32,
+    tiles = mg.resolve_tiles(tiles, m, f, d, e, h.dtype, jnp.float32,
                               out_tile_with_pipeline=True)
-    if tiles.block_n % permute_mg.ROW_ALIGN:  # the epilogue's 1-D rows need 128+
-        tiles = dataclasses.replace(tiles, block_n=permute_mg.ROW_ALIGN)
+    if tiles.block_n % mgpu.WARPGROUP_ROW:  # the epilogue's 1-D rows need 128+
+        tiles = dataclasses.replace(tiles, block_n=mgpu.WARPGROUP_ROW)
     body = functools.partial(_down_scatter_body, tiles=tiles)
-    slots = permute_mg._launch(
-        body, jax.ShapeDtypeStruct((m, d), jnp.float32), interpret,
+    by_assignment = mgpu.launch(body, jax.ShapeDtypeStruct((m, d), jnp.float32), interpret)(
         mg.row_tile_schedule(group_sizes, m, tiles.block_m), sort_order,
         weights.reshape(-1).astype(jnp.float32),
         jnp.asarray(num_valid, jnp.int32).reshape(1), h, down_efd)
-    return jnp.sum(slots.reshape(T, K, d), axis=1)
+    return jnp.sum(by_assignment.reshape(T, K, d), axis=1)
 
 
 def moe_mlp(x, sort_order, weights, group_sizes, num_valid, gate_edf, up_edf, down_efd, *,

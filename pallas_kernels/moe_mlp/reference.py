@@ -1,6 +1,6 @@
 """Reference fused expert MLP: the unfused composition of the reference ops.
 
-Letters: T tokens, D model dim, F expert hidden dim, E experts, K slots per token,
+Letters: T tokens, D model dim, F expert hidden dim, E experts, K experts per token,
 M = T*K rows in expert order.
 
   rows     = permute(x, sort_order)                    [M, D]   compute dtype
@@ -68,10 +68,10 @@ def moe_mlp(
     activation: str,
     num_valid: jax.Array | int | None = None,
 ) -> jax.Array:
-    """y[t] = sum_k weights[t, k] * mlp_{e(t,k)}(x[t]) over the routed slots.
+    """y[t] = sum_k weights[t, k] * mlp_{e(t,k)}(x[t]) over the routed assignments.
 
     Args:
-      x: [T, D] in the compute dtype. sort_order: int32[M] flat slot of each row in
+      x: [T, D] in the compute dtype. sort_order: int32[M] flat assignment of each row in
         expert order. weights: [T, K]. group_sizes: int32[E] rows per expert.
       gate_edf: [E, D, F] or None ("gelu"). up_edf: [E, D, F]. down_efd: [E, F, D]
         (cast to x's dtype). activation: "swiglu" | "geglu" | "gelu".

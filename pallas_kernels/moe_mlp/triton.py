@@ -1,19 +1,19 @@
 """Pallas Triton fused expert MLP: two kernels, no permuted copy of x, no [M, D] rows.
 
-Letters: T tokens, D model dim, F expert hidden dim, E experts, K slots per token,
+Letters: T tokens, D model dim, F expert hidden dim, E experts, K experts per token,
 M = T*K rows in expert order, nv = the valid rows (rows >= nv take no part).
 
-Kernel 1 (``_gate_up_kernel``, grid (schedule slots, F tiles)):
+Kernel 1 (``_gate_up_kernel``, grid (schedule steps, F tiles)):
   the gather prologue loads the rows x[sort_order[m] // K] straight from x (indexed
   loads, masked past nv), runs the gate and up grouped GEMMs over D chunks with two
   float32 accumulators, applies the activation in the epilogue and stores
   h[M, F] in the compute dtype.
-Kernel 2 (``_down_combine_kernel``, grid (schedule slots, D tiles)):
+Kernel 2 (``_down_combine_kernel``, grid (schedule steps, D tiles)):
   the down grouped GEMM h @ down[e] (float32), then the epilogue multiplies each row
   by its routing weight weights.flat[sort_order[m]] and scatter-adds it into
   y[sort_order[m] // K] with float32 atomics (``plgpu.atomic_add``): the combine.
 
-Both walk ``ragged_dot.triton.gmm_schedule`` (a tile straddling two experts is
+Both walk ``triton_common.gmm_schedule`` (a tile straddling two experts is
 visited once per expert; each visit touches only its expert's rows), so the
 schedule, its masks and the tile heuristics are those of the grouped GEMM.
 
@@ -22,7 +22,7 @@ not add (a row outside the visit's expert or past nv, a column past D) is sent t
 the spare row T with the value 0, and compiled kernels also mask it off. Pallas
 interpret mode runs atomics without masks and as a gather + set, so only the spare
 row may receive two lanes of one call; the valid lanes of one call are distinct
-(token, column) pairs because a token's K slots go to K distinct experts. The
+(token, column) pairs because a token's K assignments go to K distinct experts. The
 summation order of a token's K terms is not fixed on a GPU (float32 rounding only).
 
 The exact GELU needs erfc, which Pallas Triton does not lower: ``_erfc`` is the
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -44,12 +43,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from aristax.pallas_kernels.permute.triton import MAX_TOP_K
-from aristax.pallas_kernels.ragged_dot.triton import (
-    DTYPES, GROUP, ROW_HI, ROW_LO, TILE, KernelTiles, TritonTiles, _load, _mask2d,
-    _tail_mask, gmm_schedule, steps_if,
+from aristax.pallas_kernels.moe_mlp.activation import activate
+from aristax.pallas_kernels.ragged_dot.triton import TritonTiles
+from aristax.pallas_kernels.tiling import MAX_TOP_K, out_type
+from aristax.pallas_kernels.triton_common import (
+    DTYPES, GROUP, ROW_HI, ROW_LO, TILE, KernelTiles, gmm_schedule, load, mask2d, steps_if,
+    tail_mask,
 )
-from aristax.pallas_kernels.tiling import out_type
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,41 +115,13 @@ def backward_tiles(tiles: MoeMlpTiles | None) -> TritonTiles | None:
     return None if tiles is None else tiles.backward
 
 
-def _erfc(z: jax.Array) -> jax.Array:
-    """erfc(z) in float32 by Numerical Recipes' ``erfcc`` (fractional error < 1.2e-7):
-    erfc(|z|) = t exp(-z^2 + P(t)), t = 1 / (1 + |z| / 2); erfc(-z) = 2 - erfc(z)."""
-    a = jnp.abs(z)
-    t = 1.0 / (1.0 + 0.5 * a)
-    coeffs = (0.17087277, -0.82215223, 1.48851587, -1.13520398, 0.27886807,
-              -0.18628806, 0.09678418, 0.37409196, 1.00002368, -1.26551223)
-    poly = jnp.zeros_like(t)
-    for c in coeffs:  # Horner, highest power first
-        poly = poly * t + c
-    ans = t * jnp.exp(poly - a * a)
-    return jnp.where(z >= 0, ans, 2.0 - ans)
-
-
-def _gelu(v: jax.Array) -> jax.Array:
-    """Exact GELU v * Phi(v) = v/2 * erfc(-v / sqrt 2), float32."""
-    return 0.5 * v * _erfc(v * -math.sqrt(0.5))
-
-
-def activate(gate: jax.Array | None, up: jax.Array, activation: str) -> jax.Array:
-    """The kernels' ``reference.hidden``: same formulas, erfc by ``_erfc``."""
-    if activation == "gelu":
-        return _gelu(up)
-    if activation == "swiglu":
-        return gate * (1.0 / (1.0 + jnp.exp(-gate))) * up
-    return _gelu(gate) * up
-
-
 def _visit(sched_ref, nv_ref, block_m: int):
     """(group, first row, rows int32[BM], in_group [BM], live [BM], any live) of this
-    program's schedule slot; live = in the slot's group and below nv."""
-    slot = pl.program_id(0)
-    group = sched_ref[GROUP, slot]
-    row_lo, row_hi = sched_ref[ROW_LO, slot], sched_ref[ROW_HI, slot]
-    row0 = sched_ref[TILE, slot] * block_m
+    program's schedule step; live = in the step's group and below nv."""
+    step = pl.program_id(0)
+    group = sched_ref[GROUP, step]
+    row_lo, row_hi = sched_ref[ROW_LO, step], sched_ref[ROW_HI, step]
+    row0 = sched_ref[TILE, step] * block_m
     rows = row0 + jnp.arange(block_m, dtype=jnp.int32)
     nv = nv_ref[0]
     in_group = (rows >= row_lo) & (rows < row_hi)
@@ -157,15 +129,15 @@ def _visit(sched_ref, nv_ref, block_m: int):
     return group, row0, rows, in_group, in_group & (rows < nv), any_live
 
 
-def _slots(order_ref, rows, live):
-    """int32[BM] flat slot sort_order[row] of each live row (0 elsewhere)."""
+def _assignments(order_ref, rows, live):
+    """int32[BM] flat assignment sort_order[row] of each live row (0 elsewhere)."""
     safe = jnp.minimum(rows, order_ref.shape[0] - 1)
     return plgpu.load(order_ref.at[safe], mask=live, other=0)
 
 
 def _gate_up_kernel(sched_ref, order_ref, nv_ref, x_ref, *refs, tiles: KernelTiles,
                     top_k: int, activation: str):
-    """One (slot, F tile) program: h[rows, f tile] = act(x[tok] @ gate[e], x[tok] @ up[e]).
+    """One (step, F tile) program: h[rows, f tile] = act(x[tok] @ gate[e], x[tok] @ up[e]).
 
     sched_ref int32[5, S]; order_ref int32[M]; nv_ref int32[1]; x_ref [T, D];
     refs = (gate_ref [E, D, F],)? + (up_ref [E, D, F], h_ref [M, F]).
@@ -175,20 +147,20 @@ def _gate_up_kernel(sched_ref, order_ref, nv_ref, x_ref, *refs, tiles: KernelTil
     (t, d), (m, f) = x_ref.shape, h_ref.shape
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     group, row0, rows, in_group, live, any_live = _visit(sched_ref, nv_ref, bm)
-    tokens = jnp.minimum(_slots(order_ref, rows, live) // top_k, t - 1)
+    tokens = jnp.minimum(_assignments(order_ref, rows, live) // top_k, t - 1)
     col0 = pl.program_id(1) * bn
-    col_ok = _tail_mask(col0, bn, f)
+    col_ok = tail_mask(col0, bn, f)
     mats = (up_ref,) if gate_ref is None else (up_ref, gate_ref)
 
     def weight_tile(ref, k0, k_ok):
-        return _load(ref.at[group, pl.ds(k0, bk), pl.ds(col0, bn)], _mask2d(k_ok, col_ok))
+        return load(ref.at[group, pl.ds(k0, bk), pl.ds(col0, bn)], mask2d(k_ok, col_ok))
 
     def body(step, accs):
         k0 = step * bk
-        k_ok = _tail_mask(k0, bk, d)
+        k_ok = tail_mask(k0, bk, d)
         cols = jnp.minimum(k0 + jnp.arange(bk, dtype=jnp.int32), d - 1)
         a = plgpu.load(x_ref.at[tokens[:, None], cols[None, :]],
-                       mask=_mask2d(live, k_ok), other=0)
+                       mask=mask2d(live, k_ok), other=0)
         return tuple(acc + plgpu.dot(a, weight_tile(ref, k0, k_ok))
                      for acc, ref in zip(accs, mats))
 
@@ -198,12 +170,12 @@ def _gate_up_kernel(sched_ref, order_ref, nv_ref, x_ref, *refs, tiles: KernelTil
     h = activate(accs[1] if gate_ref is not None else None, accs[0], activation)
     h = jnp.where(live[:, None], h, 0.0)  # 0 * inf weights would give NaN
     plgpu.store(h_ref.at[pl.ds(row0, bm), pl.ds(col0, bn)], h.astype(h_ref.dtype),
-                mask=_mask2d(in_group & (rows < m), col_ok))
+                mask=mask2d(in_group & (rows < m), col_ok))
 
 
 def _down_combine_kernel(sched_ref, order_ref, nv_ref, w_ref, h_ref, down_ref, _y_in,
                          y_ref, *, tiles: KernelTiles, top_k: int, masked: bool):
-    """One (slot, D tile) program: y[tok, d tile] += w[slot] * (h[rows] @ down[e]).
+    """One (step, D tile) program: y[tok, d tile] += w[assignment] * (h[rows] @ down[e]).
 
     w_ref [M] flat weights; h_ref [M, F]; down_ref [E, F, D]; y_ref f32[T + 1, D]
     (aliased to the zero buffer ``_y_in``; row T is the spare row).
@@ -212,22 +184,22 @@ def _down_combine_kernel(sched_ref, order_ref, nv_ref, w_ref, h_ref, down_ref, _
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     group, row0, rows, _, live, any_live = _visit(sched_ref, nv_ref, bm)
     col0 = pl.program_id(1) * bn
-    col_ok = _tail_mask(col0, bn, d)
+    col_ok = tail_mask(col0, bn, d)
 
     def body(step, acc):
         k0 = step * bk
-        k_ok = _tail_mask(k0, bk, f)
-        a = _load(h_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], _mask2d(live, k_ok))
-        b = _load(down_ref.at[group, pl.ds(k0, bk), pl.ds(col0, bn)], _mask2d(k_ok, col_ok))
+        k_ok = tail_mask(k0, bk, f)
+        a = load(h_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], mask2d(live, k_ok))
+        b = load(down_ref.at[group, pl.ds(k0, bk), pl.ds(col0, bn)], mask2d(k_ok, col_ok))
         return acc + plgpu.dot(a, b)
 
     acc = lax.fori_loop(0, steps_if(any_live, pl.cdiv(f, bk)), body,
                         jnp.zeros((bm, bn), jnp.float32))
-    slots = _slots(order_ref, rows, live)
-    w = plgpu.load(w_ref.at[slots], mask=live, other=0).astype(jnp.float32)
+    flat = _assignments(order_ref, rows, live)
+    w = plgpu.load(w_ref.at[flat], mask=live, other=0).astype(jnp.float32)
     cols = col0 + jnp.arange(bn, dtype=jnp.int32)
     adds = live[:, None] & (cols < d)[None, :]
-    target = jnp.where(adds, (slots // top_k)[:, None], spare)
+    target = jnp.where(adds, (flat // top_k)[:, None], spare)
     plgpu.atomic_add(y_ref, (target, jnp.minimum(cols, d - 1)[None, :]),
                      jnp.where(adds, acc * w[:, None], 0.0), mask=adds if masked else None)
 
@@ -263,7 +235,7 @@ def gate_up(x, sort_order, num_valid, group_sizes, gate_edf, up_edf, *, activati
 def down_combine(h, sort_order, weights, num_valid, group_sizes, down_efd, *,
                  tiles: KernelTiles, interpret: bool = False) -> jax.Array:
     """Kernel 2: y [T, D] float32, y[t] = sum_k weights[t, k] (h @ down[e])[row of
-    slot (t, k)] over rows below num_valid."""
+    assignment (t, k)] over rows below num_valid."""
     (t, top_k), (m, _), d = weights.shape, h.shape, down_efd.shape[2]
     schedule = gmm_schedule(group_sizes, m, tiles.block_m)
     y = pl.pallas_call(

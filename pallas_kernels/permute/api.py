@@ -1,17 +1,23 @@
 """Front doors of permute and combine: validation, backend choice, ``custom_vjp``s.
 
-Letters: T tokens, D model dim, K slots per token, M = T*K rows in expert order.
+Letters: T tokens, D model dim, K experts per token, M = T*K rows in expert order.
 
-Each backend provides four functions (forward and backward of both ops); the
-``custom_vjp`` calls the first backend in the list that serves each of them
-("mosaic_gpu" serves permute for D % 64 == 0, combine for D % 128 == 0).
+A backend is a module in this folder (the protocol of ``frontdoor``) with
+  ``check(op, top_k, *arrays, *, interpret)``: NotImplementedError with the reason
+      when it cannot serve ``op`` ("permute" or "combine", each with its backward) on
+      ``arrays``, the operands its kernels read;
+  ``permute``, ``permute_bwd``, ``combine``, ``combine_bwd`` (as in ``reference``).
+The forward runs the first backend that serves it ("mosaic_gpu" serves permute for
+D % 64 == 0, combine for D % 128 == 0); the backward runs on the same backend where it
+serves the cotangent, else on the reference.
 permute's backward is an unweighted combine, combine's backward a weighted permute
-(drows) and a per-slot dot (dweights), so no backward needs a scatter-add.
+(drows) and a per-assignment dot (dweights), so no backward needs a scatter-add.
 """
 
 from __future__ import annotations
 
 import functools
+from types import ModuleType
 
 import jax
 import jax.numpy as jnp
@@ -20,11 +26,8 @@ from aristax.pallas_kernels import frontdoor
 from aristax.pallas_kernels.permute import mosaic_gpu, reference, triton
 from aristax.pallas_kernels.tiling import vary_alike
 
-_BACKENDS = {"triton": triton, "mosaic_gpu": mosaic_gpu, "reference": reference}
-PERMUTE = {name: mod.permute for name, mod in _BACKENDS.items()}
-PERMUTE_BWD = {name: mod.permute_bwd for name, mod in _BACKENDS.items()}
-COMBINE = {name: mod.combine for name, mod in _BACKENDS.items()}
-COMBINE_BWD = {name: mod.combine_bwd for name, mod in _BACKENDS.items()}
+BACKENDS: dict[str, ModuleType] = {
+    "triton": triton, "mosaic_gpu": mosaic_gpu, "reference": reference}
 DEFAULT_ORDER: dict[str, tuple[str, ...]] = {"gpu": ("triton", "reference")}
 
 
@@ -59,22 +62,27 @@ def _validate_combine(rows, sort_order, weights, num_valid) -> None:
     _check_order("combine", sort_order, T * K, num_valid)
 
 
+def _serving(op: str, name: str, top_k: int, *arrays, interpret: bool) -> str:
+    """``name`` where its ``check`` accepts the backward's operands, else "reference"."""
+    return frontdoor.choose(op, BACKENDS, (name, "reference"), op, top_k, *arrays,
+                            interpret=interpret)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _permute(x, sort_order, num_valid, top_k, names, interpret):
-    return frontdoor.call_first("permute", PERMUTE, names, x, sort_order, num_valid,
-                                top_k=top_k, interpret=interpret)
+def _permute(x, sort_order, num_valid, top_k, name, interpret):
+    return BACKENDS[name].permute(x, sort_order, num_valid, top_k=top_k, interpret=interpret)
 
 
-def _permute_fwd(x, sort_order, num_valid, top_k, names, interpret):
-    rows = _permute(x, sort_order, num_valid, top_k, names, interpret)
+def _permute_fwd(x, sort_order, num_valid, top_k, name, interpret):
+    rows = _permute(x, sort_order, num_valid, top_k, name, interpret)
     return rows, (sort_order, num_valid, jnp.zeros((0,), x.dtype))
 
 
-def _permute_bwd(top_k, names, interpret, residuals, drows):
+def _permute_bwd(top_k, name, interpret, residuals, drows):
     sort_order, num_valid, x_tag = residuals
-    dx = frontdoor.call_first("permute backward", PERMUTE_BWD, names, drows, sort_order,
-                              num_valid, top_k=top_k, x_dtype=x_tag.dtype,
-                              interpret=interpret)
+    name = _serving("permute", name, top_k, drows, interpret=interpret)
+    dx = BACKENDS[name].permute_bwd(drows, sort_order, num_valid, top_k=top_k,
+                                    x_dtype=x_tag.dtype, interpret=interpret)
     return dx, None, None
 
 
@@ -82,21 +90,21 @@ _permute.defvjp(_permute_fwd, _permute_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _combine(rows, sort_order, weights, num_valid, names, interpret):
-    return frontdoor.call_first("combine", COMBINE, names, rows, sort_order, weights,
-                                num_valid, interpret=interpret)
+def _combine(rows, sort_order, weights, num_valid, name, interpret):
+    return BACKENDS[name].combine(rows, sort_order, weights, num_valid, interpret=interpret)
 
 
-def _combine_fwd(rows, sort_order, weights, num_valid, names, interpret):
-    y = _combine(rows, sort_order, weights, num_valid, names, interpret)
+def _combine_fwd(rows, sort_order, weights, num_valid, name, interpret):
+    y = _combine(rows, sort_order, weights, num_valid, name, interpret)
     return y, (rows, sort_order, weights, num_valid)
 
 
-def _combine_bwd(names, interpret, residuals, dy):
+def _combine_bwd(name, interpret, residuals, dy):
     rows, sort_order, weights, num_valid = residuals
-    drows, dweights = frontdoor.call_first(
-        "combine backward", COMBINE_BWD, names, dy, rows, sort_order, weights, num_valid,
-        interpret=interpret)
+    name = _serving("combine", name, weights.shape[1], rows, dy, weights,
+                    interpret=interpret)
+    drows, dweights = BACKENDS[name].combine_bwd(dy, rows, sort_order, weights, num_valid,
+                                                 interpret=interpret)
     return drows, None, dweights, None
 
 
@@ -115,10 +123,10 @@ def permute(
     """Gather tokens into expert order: rows[p] = x[sort_order[p] // K].
 
     Equals ``aristax.dispatch.permute`` with the dropless dispatch of the same
-    routing (``row_slot = sort_order``, ``row_valid = p < num_valid``).
+    routing (``sort_order = sort_order``, ``row_valid = p < num_valid``).
 
     Args:
-      x: [T, D] tokens. sort_order: int[T*K] flat slot of each row (``route``).
+      x: [T, D] tokens. sort_order: int[T*K] flat assignment of each row (``route``).
       top_k: K. num_valid: routed rows (``sum(counts)``); rows past it are 0. None =
         all T*K rows.
       implementation: backend name or ordered list ("triton", "mosaic_gpu",
@@ -130,10 +138,13 @@ def permute(
       rows [T*K, D] in x's dtype. Backward: dx[t] = sum of drows over t's valid rows.
     """
     _validate_permute(x, sort_order, top_k, num_valid)
-    names = frontdoor.candidates("permute", PERMUTE, DEFAULT_ORDER, implementation)
+    names = frontdoor.candidates("permute", BACKENDS, DEFAULT_ORDER, implementation)
+    interpret = frontdoor.resolve_interpret(interpret)
+    name = frontdoor.choose("permute", BACKENDS, names, "permute", int(top_k), x,
+                            interpret=interpret)
     nv = reference.valid_count(num_valid, sort_order.shape[0])
-    return _permute(*vary_alike(x, sort_order.astype(jnp.int32), nv), int(top_k), names,
-                    frontdoor.resolve_interpret(interpret))
+    return _permute(*vary_alike(x, sort_order.astype(jnp.int32), nv), int(top_k), name,
+                    interpret)
 
 
 def combine(
@@ -147,9 +158,9 @@ def combine(
 ) -> jax.Array:
     """Weighted sum back into token order: y[t] = sum_k weights[t,k] rows[pos[t,k]].
 
-    pos is the inverse of sort_order (the row of slot t*K + k); slots with
+    pos is the inverse of sort_order (the row of assignment t*K + k); assignments with
     pos >= num_valid are left out. Equals ``aristax.dispatch.combine`` with the
-    dropless dispatch (``slot = pos``, ``kept = pos < num_valid``).
+    dropless dispatch (``row_of = pos``, ``kept = pos < num_valid``).
 
     Args:
       rows: [T*K, D] expert outputs in expert order. sort_order: int[T*K].
@@ -157,10 +168,13 @@ def combine(
       implementation, interpret: as in ``permute``.
     Returns:
       y [T, D] in float32 (float64 for float64 inputs). Backward: drows[p] =
-      weight of row p's slot * dy[token], dweights[t, k] = <dy[t], rows[pos[t, k]]>.
+      weight of row p's assignment * dy[token], dweights[t, k] = <dy[t], rows[pos[t, k]]>.
     """
     _validate_combine(rows, sort_order, weights, num_valid)
-    names = frontdoor.candidates("combine", COMBINE, DEFAULT_ORDER, implementation)
+    names = frontdoor.candidates("combine", BACKENDS, DEFAULT_ORDER, implementation)
+    interpret = frontdoor.resolve_interpret(interpret)
+    name = frontdoor.choose("combine", BACKENDS, names, "combine", weights.shape[1], rows,
+                            weights, interpret=interpret)
     nv = reference.valid_count(num_valid, sort_order.shape[0])
-    return _combine(*vary_alike(rows, sort_order.astype(jnp.int32), weights, nv), names,
-                    frontdoor.resolve_interpret(interpret))
+    return _combine(*vary_alike(rows, sort_order.astype(jnp.int32), weights, nv), name,
+                    interpret)

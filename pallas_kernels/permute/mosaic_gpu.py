@@ -1,7 +1,7 @@
 """Pallas Mosaic GPU (Hopper) permute and combine, forward and backward: row gathers by
 per-row TMA.
 
-Letters: T tokens, D model dim, K slots per token, M = T*K rows, BR/BD tile sizes.
+Letters: T tokens, D model dim, K experts per token, M = T*K rows, BR/BD tile sizes.
 
 Hopper's TMA has no gather, so a tile of BR gathered rows is BR one-row TMA copies
 GMEM -> SMEM, all counted by one barrier (BR arrivals); a row that must read as zero
@@ -9,11 +9,11 @@ GMEM -> SMEM, all counted by one barrier (BR arrivals); a row that must read as 
 arrives exactly once. A persistent loop (``grid=(SMs,)``) walks the tiles.
 
   ``permute``      rows[p] = x[sort_order[p] // K] for p < nv, else 0
-  ``permute_bwd``  dx[t] = sum_k drows[pos[t, k]] over the slots with pos < nv
+  ``permute_bwd``  dx[t] = sum_k drows[pos[t, k]] over the assignments with pos < nv
                    (pos the inverse of sort_order), accumulated in float32
-  ``combine``      y[t] = sum_k w[t, k] rows[pos[t, k]] over kept slots, float32
+  ``combine``      y[t] = sum_k w[t, k] rows[pos[t, k]] over kept assignments, float32
   ``combine_bwd``  drows[p] = w.flat[s] dy[s // K] (s = sort_order[p], p < nv) and
-                   dweights[t, k] = <dy[t], rows[pos[t, k]]> (kept slots)
+                   dweights[t, k] = <dy[t], rows[pos[t, k]]> (kept assignments)
 
 Per-row weights are applied by a loop over the tile's rows in SMEM (a scalar times
 one row, in float32): Mosaic GPU's layout inference did not resolve the [BR] x
@@ -21,14 +21,15 @@ one row, in float32): Mosaic GPU's layout inference did not resolve the [BR] x
 ``dweights`` walks row blocks of tokens, each over all column blocks, and sums each
 row's products with one reduction per row.
 
-Tiles leave through ``ragged_dot.mosaic_gpu``'s ladder of power-of-two TMA stores, so
+Tiles leave through ``mosaic_gpu_common.store_rows``' ladder of power-of-two TMA stores, so
 M and T need not be multiples of the tile.
 
 Constraints (``NotImplementedError`` otherwise): D a multiple of 64 (TMA boxes of
-64..256 columns), of 128 for combine (``ROW_ALIGN``); float32, bfloat16 or float16;
+64..256 columns), of 128 for combine (``mosaic_gpu_common.WARPGROUP_ROW``); float32, bfloat16 or float16;
 compiled only on Hopper, or the CPU when cross-lowering with ``jax.export``.
 Interpret mode runs the Mosaic GPU interpreter with its race detector
-(``ragged_dot.mosaic_gpu.races_found``). None of these kernels has run on a GPU yet.
+(``mosaic_gpu_common.races_found``). ``gpu_check.py`` ran them on an H100 and an H200
+(results/gpu_check_h*.json).
 """
 
 from __future__ import annotations
@@ -41,16 +42,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from aristax.pallas_kernels import mosaic_gpu_common as mgpu
 from aristax.pallas_kernels.permute.reference import inverse_order, valid_count
-from aristax.pallas_kernels.ragged_dot import mosaic_gpu as mg
-from aristax.pallas_kernels.tiling import varying_like
+from aristax.pallas_kernels.tiling import MAX_TOP_K
 
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-ALIGN = 64  # D must be a multiple of this (permute and its backward)
-# combine and its backward: also a multiple of this (one row of a tile, a 1-D vector
-# spread over a warpgroup's 128 threads, failed layout inference at 64 columns)
-ROW_ALIGN = 128
-MAX_TOP_K = 64  # the slot loops are unrolled
+ALIGN = 64  # D must be a multiple of this (permute and its backward); combine and its
+# backward: of ``mosaic_gpu_common.WARPGROUP_ROW`` (128)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,50 +67,21 @@ class GatherTiles:
                                 if d_model % b == 0 and b >= align))
 
 
-def _check(op: str, arr: jax.Array, top_k: int, interpret, align: int = ALIGN) -> None:
-    """NotImplementedError (the front door then tries the next backend) when unserved."""
-    mg.raise_if(
+def check(op: str, top_k: int, *arrays: jax.Array, interpret=False) -> None:
+    """NotImplementedError with the reason unless ``op`` ("permute" or "combine", each
+    with its backward) serves ``arrays`` (its [rows, D] operands) with K = top_k."""
+    align = ALIGN if op == "permute" else mgpu.WARPGROUP_ROW
+    d = arrays[0].shape[1]
+    mgpu.raise_if(
         f"mosaic_gpu {op}",
-        None if jnp.dtype(arr.dtype) in DTYPES else
-        f"dtype {arr.dtype} (float32/bfloat16/float16)",
-        None if arr.shape[1] % align == 0 else
-        f"D={arr.shape[1]} must be a multiple of {align} (" + (
+        *(None if jnp.dtype(a.dtype) in DTYPES else
+          f"dtype {a.dtype} (float32/bfloat16/float16)" for a in arrays),
+        None if d % align == 0 else
+        f"D={d} must be a multiple of {align} (" + (
             "TMA row boxes)" if align == ALIGN else "a tile row spans 128 threads)"),
         None if top_k <= MAX_TOP_K else f"top_k={top_k} > {MAX_TOP_K}",
-        mg._platform_reason(interpret),
+        mgpu.platform_reason(interpret),
     )
-
-
-def _gather_rows(src_gmem, zero_gmem, buf, barrier, source_row, col0, block_d) -> None:
-    """buf[r] = src[row] or 0 for r < len(buf), ``source_row(r) -> (row, keep)``.
-
-    ``commit_smem`` first: the TMA copies write ``buf`` through the async proxy, which
-    is ordered after this warpgroup's earlier reads of ``buf`` (the previous tile's or
-    slot's) only by that fence (JAX 0.11's interpreter reports the race without it).
-    """
-    plgpu.commit_smem()
-    start_row_gathers(src_gmem, zero_gmem, buf, barrier, source_row, col0, block_d)
-    plgpu.barrier_wait(barrier)
-
-
-def start_row_gathers(src_gmem, zero_gmem, buf, barrier, source_row, col0,
-                      block_d) -> None:
-    """Issue ``_gather_rows``' one-row TMA copies; ``barrier`` (len(buf) arrivals)
-    completes when they have landed."""
-
-    @pl.loop(0, buf.shape[0])
-    def _(r):
-        row, keep = source_row(r)
-        dst = buf.at[pl.ds(r, 1)]
-
-        @pl.when(keep)
-        def _():
-            plgpu.copy_gmem_to_smem(src_gmem.at[pl.ds(row, 1), pl.ds(col0, block_d)],
-                                    dst, barrier)
-
-        @pl.when(jnp.logical_not(keep))
-        def _():
-            plgpu.copy_gmem_to_smem(zero_gmem.at[:, pl.ds(col0, block_d)], dst, barrier)
 
 
 def _scale_rows(buf, dst, scale_of_row, *, accumulate: bool = False) -> None:
@@ -147,18 +116,18 @@ def _gather_body(order_gmem, scale_gmem, nv_gmem, src_gmem, zero_gmem, out_gmem,
     (M, D), T = out_gmem.shape, src_gmem.shape[0]
     br, nv = tiles.block_rows, nv_gmem[0]
 
-    def row_slot(r):
+    def flat_of_row(r):
         return order_gmem[jnp.minimum(r, M - 1)]
 
     def tile(row0, col0, buf, barrier, scaled=None):
         def source_row(r):
-            return jnp.minimum(row_slot(row0 + r) // top_k, T - 1), row0 + r < nv
+            return jnp.minimum(flat_of_row(row0 + r) // top_k, T - 1), row0 + r < nv
 
-        _gather_rows(src_gmem, zero_gmem, buf, barrier, source_row, col0, tiles.block_d)
+        mgpu.gather_rows(src_gmem, zero_gmem, buf, barrier, source_row, col0, tiles.block_d)
         if scaled is not None:
             _scale_rows(buf, scaled, lambda r: jnp.where(
-                row0 + r < nv, scale_gmem[row_slot(row0 + r)], 0.0))
-        mg._store_smem_rows(buf if scaled is None else scaled, out_gmem, row0, 0,
+                row0 + r < nv, scale_gmem[flat_of_row(row0 + r)], 0.0))
+        mgpu.store_smem_rows(buf if scaled is None else scaled, out_gmem, row0, 0,
                             jnp.minimum(M - row0, br), col0, min(br, M))
 
     if scale_gmem is None:
@@ -182,10 +151,10 @@ def _permute_bwd_body(pos_gmem, nv_gmem, drows_gmem, zero_gmem, out_gmem, *, top
                 pos = pos_gmem[jnp.minimum(t0 + r, T - 1) * top_k + k]
                 return jnp.minimum(pos, M - 1), pos < nv
 
-            _gather_rows(drows_gmem, zero_gmem, buf, barrier, source_row, col0,
+            mgpu.gather_rows(drows_gmem, zero_gmem, buf, barrier, source_row, col0,
                          tiles.block_d)
             acc = acc + buf[...].astype(jnp.float32)
-        mg._store_rows(acc.astype(out_gmem.dtype), out_gmem, t0, 0,
+        mgpu.store_rows(acc.astype(out_gmem.dtype), out_gmem, t0, 0,
                        jnp.minimum(T - t0, br), col0, min(br, T))
 
     _each_tile(T, D, drows_gmem.dtype, tiles, tile)
@@ -193,7 +162,7 @@ def _permute_bwd_body(pos_gmem, nv_gmem, drows_gmem, zero_gmem, out_gmem, *, top
 
 def _combine_body(pos_gmem, w_gmem, nv_gmem, rows_gmem, zero_gmem, out_gmem, *,
                   top_k: int, tiles: GatherTiles):
-    """out[t] = sum_k w.flat[t*K + k] rows[pos[t*K + k]] over the slots with pos < nv,
+    """out[t] = sum_k w.flat[t*K + k] rows[pos[t*K + k]] over the assignments with pos < nv,
     in float32."""
     (T, D), M = out_gmem.shape, rows_gmem.shape[0]
     br, nv = tiles.block_rows, nv_gmem[0]
@@ -201,20 +170,20 @@ def _combine_body(pos_gmem, w_gmem, nv_gmem, rows_gmem, zero_gmem, out_gmem, *,
     def scope(acc):
         def tile(t0, col0, buf, barrier):
             for k in range(top_k):
-                def slot(r, k=k):
+                def flat(r, k=k):
                     return jnp.minimum(t0 + r, T - 1) * top_k + k
 
                 def source_row(r):
-                    pos = pos_gmem[slot(r)]
+                    pos = pos_gmem[flat(r)]
                     return jnp.minimum(pos, M - 1), pos < nv
 
                 def weight(r):
-                    return jnp.where(pos_gmem[slot(r)] < nv, w_gmem[slot(r)], 0.0)
+                    return jnp.where(pos_gmem[flat(r)] < nv, w_gmem[flat(r)], 0.0)
 
-                _gather_rows(rows_gmem, zero_gmem, buf, barrier, source_row, col0,
+                mgpu.gather_rows(rows_gmem, zero_gmem, buf, barrier, source_row, col0,
                              tiles.block_d)
                 _scale_rows(buf, acc, weight, accumulate=k > 0)
-            mg._store_smem_rows(acc, out_gmem, t0, 0, jnp.minimum(T - t0, br), col0,
+            mgpu.store_smem_rows(acc, out_gmem, t0, 0, jnp.minimum(T - t0, br), col0,
                                 min(br, T))
 
         _each_tile(T, D, rows_gmem.dtype, tiles, tile)
@@ -222,7 +191,7 @@ def _combine_body(pos_gmem, w_gmem, nv_gmem, rows_gmem, zero_gmem, out_gmem, *,
     pl.run_scoped(scope, plgpu.SMEM((br, tiles.block_d), jnp.float32))
 
 
-def _slot_dots_body(pos_gmem, nv_gmem, dy_gmem, rows_gmem, dy_zero, rows_zero, out_gmem,
+def _assignment_dots_body(pos_gmem, nv_gmem, dy_gmem, rows_gmem, dy_zero, rows_zero, out_gmem,
                     *, top_k: int, tiles: GatherTiles):
     """out[t*K + k] = <dy[t], rows[pos[t*K + k]]> (0 where pos >= nv), float32; out is
     padded to whole row blocks of tokens: [cdiv(T, BR) * BR * K]."""
@@ -240,14 +209,14 @@ def _slot_dots_body(pos_gmem, nv_gmem, dy_gmem, rows_gmem, dy_zero, rows_zero, o
 
             @pl.loop(0, D // bd)
             def _(db):
-                _gather_rows(dy_gmem, dy_zero, dy_buf, barrier,
+                mgpu.gather_rows(dy_gmem, dy_zero, dy_buf, barrier,
                              lambda r: (jnp.minimum(t0 + r, T - 1), True), db * bd, bd)
                 for k in range(top_k):
                     def source_row(r, k=k):
                         pos = pos_gmem[jnp.minimum(t0 + r, T - 1) * top_k + k]
                         return jnp.minimum(pos, M - 1), pos < nv
 
-                    _gather_rows(rows_gmem, rows_zero, row_buf, barrier, source_row,
+                    mgpu.gather_rows(rows_gmem, rows_zero, row_buf, barrier, source_row,
                                  db * bd, bd)
 
                     @pl.loop(0, br)
@@ -267,18 +236,6 @@ def _slot_dots_body(pos_gmem, nv_gmem, dy_gmem, rows_gmem, dy_zero, rows_zero, o
                   plgpu.SMEM((br * top_k,), jnp.float32), plgpu.Barrier(num_arrivals=br))
 
 
-def _launch(body, out_type, interpret, *args):
-    out = plgpu.kernel(
-        body, out_type=out_type, grid=(mg._num_programs(interpret),), grid_names=("sm",),
-        compiler_params=mg._COMPILER_PARAMS, interpret=mg._interpret_arg(interpret),
-    )(*args)
-    return varying_like(out, *args)
-
-
-def _zero_row(d: int, dtype) -> jax.Array:
-    return jnp.zeros((1, d), dtype)
-
-
 def _gather(src, sort_order, scale, num_valid, *, top_k: int, out_dtype, interpret,
             tiles: GatherTiles | None):
     """``_gather_body`` launched: [M, D] in out_dtype."""
@@ -286,19 +243,19 @@ def _gather(src, sort_order, scale, num_valid, *, top_k: int, out_dtype, interpr
     tiles = tiles or GatherTiles.for_shape(D)
     kw = dict(top_k=top_k, tiles=tiles)
     args = [sort_order.astype(jnp.int32), valid_count(num_valid, M).reshape(1), src,
-            _zero_row(D, src.dtype)]
+            mgpu.zero_row(D, src.dtype)]
     if scale is None:
         body = lambda order, *refs: _gather_body(order, None, *refs, **kw)  # noqa: E731
     else:
         body = functools.partial(_gather_body, **kw)
         args.insert(1, scale.reshape(-1).astype(jnp.float32))
-    return _launch(body, jax.ShapeDtypeStruct((M, D), out_dtype), interpret, *args)
+    return mgpu.launch(body, jax.ShapeDtypeStruct((M, D), out_dtype), interpret)(*args)
 
 
 def permute(x, sort_order, num_valid=None, *, top_k: int, interpret=False,
             tiles: GatherTiles | None = None):
     """Mosaic GPU ``reference.permute``: rows [M, D] in x's dtype."""
-    _check("permute", x, top_k, interpret)
+    check("permute", top_k, x, interpret=interpret)
     return _gather(x, sort_order, None, num_valid, top_k=top_k, out_dtype=x.dtype,
                    interpret=interpret, tiles=tiles)
 
@@ -306,26 +263,25 @@ def permute(x, sort_order, num_valid=None, *, top_k: int, interpret=False,
 def permute_bwd(drows, sort_order, num_valid, *, top_k: int, x_dtype, interpret=False,
                 tiles: GatherTiles | None = None):
     """dx [T, D] in x_dtype: the sum of each token's valid rows of drows."""
-    _check("permute backward", drows, top_k, interpret)
+    check("permute", top_k, drows, interpret=interpret)
     (M, D), T = drows.shape, sort_order.shape[0] // top_k
     body = functools.partial(_permute_bwd_body, top_k=top_k,
                              tiles=tiles or GatherTiles.for_shape(D))
-    return _launch(body, jax.ShapeDtypeStruct((T, D), x_dtype), interpret,
-                   inverse_order(sort_order.astype(jnp.int32)),
-                   valid_count(num_valid, M).reshape(1), drows, _zero_row(D, drows.dtype))
+    return mgpu.launch(body, jax.ShapeDtypeStruct((T, D), x_dtype), interpret)(
+        inverse_order(sort_order.astype(jnp.int32)), valid_count(num_valid, M).reshape(1),
+        drows, mgpu.zero_row(D, drows.dtype))
 
 
 def combine(rows, sort_order, weights, num_valid=None, *, interpret=False,
             tiles: GatherTiles | None = None):
     """Mosaic GPU ``reference.combine``: y [T, D] in float32."""
     (M, D), (T, K) = rows.shape, weights.shape
-    _check("combine", rows, K, interpret, ROW_ALIGN)
+    check("combine", K, rows, interpret=interpret)
     body = functools.partial(_combine_body, top_k=K,
-                             tiles=tiles or GatherTiles.for_shape(D, ROW_ALIGN))
-    return _launch(body, jax.ShapeDtypeStruct((T, D), jnp.float32), interpret,
-                   inverse_order(sort_order.astype(jnp.int32)),
-                   weights.reshape(-1).astype(jnp.float32),
-                   valid_count(num_valid, M).reshape(1), rows, _zero_row(D, rows.dtype))
+                             tiles=tiles or GatherTiles.for_shape(D, mgpu.WARPGROUP_ROW))
+    return mgpu.launch(body, jax.ShapeDtypeStruct((T, D), jnp.float32), interpret)(
+        inverse_order(sort_order.astype(jnp.int32)), weights.reshape(-1).astype(jnp.float32),
+        valid_count(num_valid, M).reshape(1), rows, mgpu.zero_row(D, rows.dtype))
 
 
 def combine_bwd(dy, rows, sort_order, weights, num_valid, *, interpret=False,
@@ -333,16 +289,15 @@ def combine_bwd(dy, rows, sort_order, weights, num_valid, *, interpret=False,
     """Mosaic GPU ``reference.combine_bwd``: (drows [M, D] in rows' dtype, dweights
     [T, K] in weights' dtype)."""
     (T, K), D = weights.shape, rows.shape[1]
-    _check("combine backward", rows, K, interpret, ROW_ALIGN)
-    _check("combine backward", dy, K, interpret, ROW_ALIGN)
-    tiles = tiles or GatherTiles.for_shape(D, ROW_ALIGN)
+    check("combine", K, rows, dy, interpret=interpret)
+    tiles = tiles or GatherTiles.for_shape(D, mgpu.WARPGROUP_ROW)
     drows = _gather(dy, sort_order, weights, num_valid, top_k=K, out_dtype=rows.dtype,
                     interpret=interpret, tiles=tiles)
     pos = inverse_order(sort_order.astype(jnp.int32))
     nv = valid_count(num_valid, T * K)
     padded = pl.cdiv(T, tiles.block_rows) * tiles.block_rows * K
-    dots = _launch(functools.partial(_slot_dots_body, top_k=K, tiles=tiles),
-                   jax.ShapeDtypeStruct((padded,), jnp.float32), interpret, pos,
-                   nv.reshape(1), dy, rows, _zero_row(D, dy.dtype), _zero_row(D, rows.dtype))
+    dots = mgpu.launch(functools.partial(_assignment_dots_body, top_k=K, tiles=tiles),
+                       jax.ShapeDtypeStruct((padded,), jnp.float32), interpret)(
+        pos, nv.reshape(1), dy, rows, mgpu.zero_row(D, dy.dtype), mgpu.zero_row(D, rows.dtype))
     dweights = jnp.where(pos < nv, dots[:T * K], 0.0).reshape(T, K)
     return drows, dweights.astype(weights.dtype)

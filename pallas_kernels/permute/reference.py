@@ -1,13 +1,13 @@
 """Reference permute and combine: plain ``jnp``. The test oracle and the default.
 
-Letters: T tokens, D model dim, K slots per token, M = T*K rows in expert order.
+Letters: T tokens, D model dim, K experts per token, M = T*K rows in expert order.
 
-``sort_order[p]`` is the flat slot s = t*K + k held by row p (``route``'s output, the
-stable sort of the slots by expert); ``inverse_order`` gives pos[s], the row of slot
-s. Rows p >= ``num_valid`` (the routed slots, ``sum(counts)``) are padding: permute
-writes zeros there and combine ignores the slots that land there. This is
-``aristax.dispatch``'s dropless layout: ``row_slot = sort_order``,
-``row_valid = p < num_valid``, ``slot = pos.reshape(T, K)``, ``kept = slot <
+``sort_order[p]`` is the flat assignment s = t*K + k held by row p (``route``'s output, the
+stable sort of the assignments by expert); ``inverse_order`` gives pos[s], the row of assignment
+s. Rows p >= ``num_valid`` (the routed assignments, ``sum(counts)``) are padding: permute
+writes zeros there and combine ignores the assignments that land there. This is
+``aristax.dispatch``'s dropless layout: ``sort_order = sort_order``,
+``row_valid = p < num_valid``, ``row_of = pos.reshape(T, K)``, ``kept = row_of <
 num_valid``.
 """
 
@@ -15,6 +15,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+
+def check(op: str, top_k: int, *arrays: jax.Array, interpret: bool = False) -> None:
+    """The reference serves every call (the backend protocol's ``check``)."""
+    del op, top_k, arrays, interpret
 
 
 def accumulation_dtype(*dtypes) -> jnp.dtype:
@@ -29,7 +34,7 @@ def valid_count(num_valid: jax.Array | int | None, num_rows: int) -> jax.Array:
 
 
 def inverse_order(sort_order: jax.Array) -> jax.Array:
-    """int32[M] pos with pos[sort_order[p]] = p (the row that holds each slot)."""
+    """int32[M] pos with pos[sort_order[p]] = p (the row that holds each assignment)."""
     M = sort_order.shape[0]
     return jnp.zeros((M,), jnp.int32).at[sort_order].set(jnp.arange(M, dtype=jnp.int32))
 
@@ -65,7 +70,7 @@ def combine(
     *,
     interpret: bool = False,
 ) -> jax.Array:
-    """y[t] = sum_k weights[t, k] * rows[pos[t, k]] over slots with pos < num_valid.
+    """y[t] = sum_k weights[t, k] * rows[pos[t, k]] over assignments with pos < num_valid.
 
     Args:
       rows: [M, D] expert outputs in expert order. sort_order: int32[M].
@@ -121,7 +126,7 @@ def combine_bwd(
     """The vjp of ``combine`` for dy [T, D].
 
     drows[p] = weights.flat[s] * dy[s // K] with s = sort_order[p] (valid p, else 0);
-    dweights[t, k] = <dy[t], rows[pos[t, k]]> (kept slots, else 0).
+    dweights[t, k] = <dy[t], rows[pos[t, k]]> (kept assignments, else 0).
 
     Returns:
       (drows [M, D] in rows' dtype, dweights [T, K] in weights' dtype).

@@ -1,16 +1,16 @@
 """Pallas Triton permute and combine (forward and backward), all gathers.
 
-Letters: T tokens, D model dim, K slots per token, M = T*K rows, BR/BD tile sizes.
+Letters: T tokens, D model dim, K experts per token, M = T*K rows, BR/BD tile sizes.
 
 Every step is a gather, so no kernel needs atomics:
-  ``_inverse_kernel``   pos[sort_order[p]] = p (a permutation scatter, each slot once)
+  ``_inverse_kernel``   pos[sort_order[p]] = p (a permutation scatter, each assignment once)
   ``_gather_rows_kernel`` out[p] = scale[p] * src[sort_order[p] // K] for p < num_valid
       permute:      src = x,  scale = 1
       combine bwd:  src = dy, scale = weights.flat[sort_order[p]]       (drows)
-  ``_gather_sum_kernel``  y[t] = sum_k w[t, k] * rows[pos[t, k]] (kept slots, f32)
+  ``_gather_sum_kernel``  y[t] = sum_k w[t, k] * rows[pos[t, k]] (kept assignments, f32)
       combine:      w = weights
       permute bwd:  w = 1                                               (dx)
-  ``_gather_dot_kernel``  dw[t, k] = <dy[t], rows[pos[t, k]]> (kept slots, f32)
+  ``_gather_dot_kernel``  dw[t, k] = <dy[t], rows[pos[t, k]]> (kept assignments, f32)
       combine bwd:                                                      (dweights)
 All refs are whole arrays; tiles index them with power-of-two index vectors and
 masks, so T, D, M need not be multiples of (or powers of) anything. Loads clamp
@@ -27,9 +27,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from aristax.pallas_kernels.tiling import next_pow2, out_type
+from aristax.pallas_kernels.tiling import MAX_TOP_K, next_pow2, out_type
 
-MAX_TOP_K = 64  # the slot loops are unrolled
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
@@ -63,8 +62,8 @@ def _inverse_kernel(order_ref, pos_ref, *, tiles: PermuteTiles):
     """pos[sort_order[p]] = p for the rows p of this block."""
     M = order_ref.shape[0]
     p, safe_p, pmask = _span(tiles.block_rows, M, pl.program_id(0))
-    slot = plgpu.load(order_ref.at[safe_p], mask=pmask, other=0)
-    plgpu.store(pos_ref.at[jnp.where(pmask, slot, M)], p, mask=pmask)
+    flat = plgpu.load(order_ref.at[safe_p], mask=pmask, other=0)
+    plgpu.store(pos_ref.at[jnp.where(pmask, flat, M)], p, mask=pmask)
 
 
 def _gather_rows_kernel(src_ref, order_ref, scale_ref, nv_ref, out_ref, *, top_k: int,
@@ -74,32 +73,32 @@ def _gather_rows_kernel(src_ref, order_ref, scale_ref, nv_ref, out_ref, *, top_k
     p, safe_p, pmask = _span(tiles.block_rows, M, pl.program_id(0))
     d, safe_d, dmask = _span(tiles.block_d, D, pl.program_id(1))
     valid = pmask & (p < nv_ref[0])
-    slot = plgpu.load(order_ref.at[safe_p], mask=valid, other=0)
-    token = jnp.minimum(slot // top_k, N - 1)
+    flat = plgpu.load(order_ref.at[safe_p], mask=valid, other=0)
+    token = jnp.minimum(flat // top_k, N - 1)
     tile = plgpu.load(src_ref.at[token[:, None], safe_d[None, :]],
                       mask=valid[:, None] & dmask[None, :], other=0)
     if scale_ref is not None:
-        scale = plgpu.load(scale_ref.at[slot], mask=valid, other=0)
+        scale = plgpu.load(scale_ref.at[flat], mask=valid, other=0)
         tile = tile.astype(jnp.float32) * scale.astype(jnp.float32)[:, None]
     plgpu.store(out_ref.at[p[:, None], d[None, :]], tile.astype(out_ref.dtype),
                 mask=pmask[:, None] & dmask[None, :])
 
 
-def _slot_tile(pos_ref, nv_ref, safe_t, tmask, k: int) -> tuple[jax.Array, jax.Array]:
-    """(row int32[BR], kept bool[BR]) of slot k of each token in the block."""
+def _assignment_tile(pos_ref, nv_ref, safe_t, tmask, k: int) -> tuple[jax.Array, jax.Array]:
+    """(row int32[BR], kept bool[BR]) of assignment k of each token in the block."""
     kk = jnp.full_like(safe_t, k)
     row = plgpu.load(pos_ref.at[safe_t, kk], mask=tmask, other=0)
     return row, tmask & (row < nv_ref[0])
 
 
 def _gather_sum_kernel(rows_ref, pos_ref, w_ref, nv_ref, y_ref, *, tiles: PermuteTiles):
-    """y[t, d] = sum_k w[t, k] rows[pos[t, k], d] over kept slots (w = 1 if None)."""
+    """y[t, d] = sum_k w[t, k] rows[pos[t, k], d] over kept assignments (w = 1 if None)."""
     (T, D), (M, K) = y_ref.shape, (rows_ref.shape[0], pos_ref.shape[1])
     t, safe_t, tmask = _span(tiles.block_rows, T, pl.program_id(0))
     d, safe_d, dmask = _span(tiles.block_d, D, pl.program_id(1))
     acc = jnp.zeros((tiles.block_rows, tiles.block_d), jnp.float32)
     for k in range(K):
-        row, kept = _slot_tile(pos_ref, nv_ref, safe_t, tmask, k)
+        row, kept = _assignment_tile(pos_ref, nv_ref, safe_t, tmask, k)
         tile = plgpu.load(rows_ref.at[jnp.minimum(row, M - 1)[:, None], safe_d[None, :]],
                           mask=kept[:, None] & dmask[None, :], other=0).astype(jnp.float32)
         if w_ref is not None:
@@ -111,17 +110,17 @@ def _gather_sum_kernel(rows_ref, pos_ref, w_ref, nv_ref, y_ref, *, tiles: Permut
 
 
 def _gather_dot_kernel(dy_ref, rows_ref, pos_ref, nv_ref, dw_ref, *, tiles: PermuteTiles):
-    """dw[t, k] = sum_d dy[t, d] rows[pos[t, k], d] for kept slots, else 0."""
+    """dw[t, k] = sum_d dy[t, d] rows[pos[t, k], d] for kept assignments, else 0."""
     (T, D), (M, K) = dy_ref.shape, (rows_ref.shape[0], pos_ref.shape[1])
     t, safe_t, tmask = _span(tiles.block_rows, T, pl.program_id(0))
     kcols = jnp.arange(next_pow2(K), dtype=jnp.int32)
-    slots = [_slot_tile(pos_ref, nv_ref, safe_t, tmask, k) for k in range(K)]
+    per_k = [_assignment_tile(pos_ref, nv_ref, safe_t, tmask, k) for k in range(K)]
 
     def body(j, acc):
         _, safe_d, dmask = _span(tiles.block_d, D, j)
         dy = plgpu.load(dy_ref.at[safe_t[:, None], safe_d[None, :]],
                         mask=tmask[:, None] & dmask[None, :], other=0).astype(jnp.float32)
-        for k, (row, kept) in enumerate(slots):
+        for k, (row, kept) in enumerate(per_k):
             tile = plgpu.load(rows_ref.at[jnp.minimum(row, M - 1)[:, None], safe_d[None, :]],
                               mask=kept[:, None] & dmask[None, :], other=0)
             part = jnp.sum(dy * tile.astype(jnp.float32), axis=1)
@@ -134,11 +133,13 @@ def _gather_dot_kernel(dy_ref, rows_ref, pos_ref, nv_ref, dw_ref, *, tiles: Perm
                 mask=tmask[:, None] & (kcols < K)[None, :])
 
 
-def _check_supported(*arrays: jax.Array, top_k: int) -> None:
-    """NotImplementedError (the front door then tries the next backend) when unserved."""
+def check(op: str, top_k: int, *arrays: jax.Array, interpret: bool = False) -> None:
+    """NotImplementedError with the reason unless ``op`` ("permute" or "combine", each
+    with its backward) serves ``arrays`` (the operands its kernels read) with K = top_k."""
+    del interpret  # interpreted on CPU, compiled on any GPU Triton supports
     for arr in arrays:
         if arr.dtype not in DTYPES:
-            raise NotImplementedError(f"dtype {arr.dtype} (Triton permute: f32/bf16/f16)")
+            raise NotImplementedError(f"dtype {arr.dtype} (Triton {op}: f32/bf16/f16)")
         if 0 in arr.shape:
             raise NotImplementedError(f"empty operand of shape {arr.shape}")
     if top_k > MAX_TOP_K:
@@ -217,14 +218,14 @@ def _drop_arg(kernel, index: int, *refs):
 
 def permute(x, sort_order, num_valid=None, *, top_k: int, interpret: bool = False):
     """Triton ``reference.permute``: rows [M, D] in x's dtype."""
-    _check_supported(x, top_k=top_k)
+    check("permute", top_k, x)
     return gather_rows(x, sort_order, None, num_valid, top_k=top_k, out_dtype=x.dtype,
                        interpret=interpret)
 
 
 def combine(rows, sort_order, weights, num_valid=None, *, interpret: bool = False):
     """Triton ``reference.combine``: y [T, D] float32."""
-    _check_supported(rows, weights, top_k=weights.shape[1])
+    check("combine", weights.shape[1], rows, weights)
     pos = inverse_order(sort_order, interpret=interpret).reshape(weights.shape)
     return gather_sum(rows, pos, weights, num_valid, out_dtype=jnp.float32,
                       interpret=interpret)
@@ -232,7 +233,7 @@ def combine(rows, sort_order, weights, num_valid=None, *, interpret: bool = Fals
 
 def permute_bwd(drows, sort_order, num_valid, *, top_k: int, x_dtype, interpret: bool = False):
     """dx [T, D] = sum over the token's valid rows of drows (the transpose of permute)."""
-    _check_supported(drows, top_k=top_k)
+    check("permute", top_k, drows)
     T = sort_order.shape[0] // top_k
     pos = inverse_order(sort_order, interpret=interpret).reshape(T, top_k)
     return gather_sum(drows, pos, None, num_valid, out_dtype=x_dtype, interpret=interpret)
@@ -241,7 +242,7 @@ def permute_bwd(drows, sort_order, num_valid, *, top_k: int, x_dtype, interpret:
 def combine_bwd(dy, rows, sort_order, weights, num_valid, *, interpret: bool = False):
     """(drows [M, D], dweights [T, K]) of combine, in rows' and weights' dtypes."""
     T, K = weights.shape
-    _check_supported(dy, rows, weights, top_k=K)
+    check("combine", K, rows, dy, weights)
     pos = inverse_order(sort_order, interpret=interpret).reshape(T, K)
     drows = gather_rows(dy, sort_order, weights.reshape(-1), num_valid, top_k=K,
                         out_dtype=rows.dtype, interpret=interpret)

@@ -2,7 +2,7 @@
 
 Letters: M rows, K contraction, N output columns, G groups.
 
-A backend is a module in this folder with
+A backend is a module in this folder (the protocol of ``frontdoor``) with
   ``check(lhs, rhs, group_sizes, out_dtype, *, interpret)``: raise
       NotImplementedError with the reason when it cannot serve lhs[M, K] @ rhs[G, K, N]
       (forward and backward) in that mode;
@@ -10,8 +10,8 @@ A backend is a module in this folder with
       -> [M, N]: out[m] = lhs[m] @ rhs[group of m], zeros past sum(group_sizes);
   ``tgmm(lhs[M, K], dout[M, N], group_sizes, *, out_dtype, tiles, interpret)``
       -> [G, K, N]: out[g] = lhs[rows of g]^T @ dout[rows of g];
-and one frozen tiles dataclass (forward and backward fields). Backends are tried in
-order (``aristax.pallas_kernels.frontdoor``); the first whose ``check`` passes serves.
+and one frozen tiles dataclass (gmm fields, and ``tgmm_*`` fields for tgmm). Backends
+are tried in order (``frontdoor.choose``); the first whose ``check`` passes serves.
 
 The gradient of a Pallas backend is this file's ``custom_vjp``, the same for every
 backend: for out = ragged_dot(lhs, rhs),
@@ -26,8 +26,7 @@ The backward runs at the ``jax.default_matmul_precision`` of the forward call.
 from __future__ import annotations
 
 import functools
-import importlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
@@ -35,32 +34,24 @@ import jax
 import jax.numpy as jnp
 
 from aristax.pallas_kernels import frontdoor
+from aristax.pallas_kernels.ragged_dot import mosaic_gpu, reference, triton, xla
 from aristax.pallas_kernels.tiling import vary_alike
 
 OP = "ragged_dot"
-# Registering a backend module of this folder is adding its name here.
-REGISTERED: tuple[str, ...] = ("reference", "triton", "mosaic_gpu", "xla")
 BACKENDS: dict[str, ModuleType] = {
-    name: importlib.import_module(f"{__package__}.{name}") for name in REGISTERED
-}
-# Preferred order per ``jax.default_backend()``; names not registered are skipped. On an
-# H200 (gpu_check.py, bf16, uniform groups) Mosaic GPU's forward took 2.07 ms against
-# Triton's 2.69 at the Mixtral shape (8192 rows, D 4096, F 14336, E 8) and 0.22 against
-# 0.27 ms fine-grained (16384 rows, D 2048, F 768, E 128); forward and backward 6.6
-# against 8.6 and 0.89 against 1.01 ms. "xla" is not in the GPU order: on an H100 its
-# forward took 4.08 ms against Mosaic GPU's 2.62 (Mixtral) and 4.57 against 0.32
-# (fine-grained); forward and backward 20.0 against 7.6 and 14.8 against 1.09.
-PREFERRED: dict[str, tuple[str, ...]] = {
+    "reference": reference, "triton": triton, "mosaic_gpu": mosaic_gpu, "xla": xla}
+# Preferred order per ``jax.default_backend()``. On an H200 (gpu_check.py, bf16,
+# uniform groups) Mosaic GPU's forward took 2.07 ms against Triton's 2.69 at the
+# Mixtral shape (8192 rows, D 4096, F 14336, E 8) and 0.22 against 0.27 ms fine-grained
+# (16384 rows, D 2048, F 768, E 128); forward and backward 6.6 against 8.6 and 0.89
+# against 1.01 ms. "xla" is not in the GPU order: on an H100 its forward took 4.08 ms
+# against Mosaic GPU's 2.62 (Mixtral) and 4.57 against 0.32 (fine-grained); forward
+# and backward 20.0 against 7.6 and 14.8 against 1.09.
+DEFAULT_ORDER: dict[str, tuple[str, ...]] = {
     "gpu": ("mosaic_gpu", "triton", "reference"),
     "cuda": ("mosaic_gpu", "triton", "reference"),
     "cpu": ("xla", "reference"),
 }
-
-
-def default_order() -> dict[str, tuple[str, ...]]:
-    """``PREFERRED`` restricted to the registered backends."""
-    return {platform: tuple(n for n in names if n in BACKENDS)
-            for platform, names in PREFERRED.items()}
 
 
 def _validate(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> None:
@@ -81,8 +72,8 @@ def _validate(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> None:
 
 def _choose(names: Sequence[str], lhs, rhs, group_sizes, out_dtype, interpret) -> str:
     """The first of ``names`` whose ``check`` accepts lhs[M, K] @ rhs[G, K, N]."""
-    return frontdoor.first_serving(OP, BACKENDS, names, lhs, rhs, group_sizes, out_dtype,
-                                   interpret=interpret)
+    return frontdoor.choose(OP, BACKENDS, names, lhs, rhs, group_sizes, out_dtype,
+                            interpret=interpret)
 
 
 def row_alignment(num_rows: int, num_groups: int, dtype,
@@ -96,22 +87,15 @@ def row_alignment(num_rows: int, num_groups: int, dtype,
     backend picks its tiles from the padded count: the multiple is the largest align
     of any count up to num_rows + num_groups * (MAX_ALIGN - 1), which every smaller
     power-of-two align divides."""
-    names = frontdoor.candidates(OP, BACKENDS, default_order(), implementation)
+    names = frontdoor.candidates(OP, BACKENDS, DEFAULT_ORDER, implementation)
     lhs = jax.ShapeDtypeStruct((num_rows, 1), dtype)
     rhs = jax.ShapeDtypeStruct((num_groups, 1, 1), dtype)
     sizes = jax.ShapeDtypeStruct((num_groups,), jnp.int32)
     name = _choose(names, lhs, rhs, sizes, dtype, frontdoor.resolve_interpret(None))
     if name != "xla":
         return 1
-    xla = BACKENDS["xla"]
     most = num_rows + num_groups * (xla.MAX_ALIGN - 1)
     return max(xla.XlaTiles.for_shape(rows, num_groups).align for rows in (num_rows, most))
-
-
-def _tiles_for(tiles: Any, name: str) -> Any:
-    """A mapping {backend name: tiles} gives that backend's entry; anything else is
-    passed as is."""
-    return tiles.get(name) if isinstance(tiles, Mapping) else tiles
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
@@ -170,7 +154,7 @@ def ragged_dot(
       group_sizes: int32[G] rows per group (sum <= M; later rows give zeros).
       preferred_element_type: accumulation/output dtype (e.g. float32 for bf16 inputs).
       implementation: backend name or ordered list of names from ``BACKENDS``; None =
-        the best available for the platform (``PREFERRED``), ending in "reference".
+        the best available for the platform (``DEFAULT_ORDER``), ending in "reference".
         A backend that cannot serve the call is skipped for the next.
       interpret: run Pallas backends in interpret mode; None = iff the default JAX
         backend is the CPU (pass False to lower for GPU, e.g. under ``jax.export``).
@@ -183,11 +167,11 @@ def ragged_dot(
     group_sizes = group_sizes.astype(jnp.int32)
     out_dtype = jnp.dtype(preferred_element_type if preferred_element_type is not None
                           else jnp.promote_types(lhs.dtype, rhs.dtype))
-    names = frontdoor.candidates(OP, BACKENDS, default_order(), implementation)
+    names = frontdoor.candidates(OP, BACKENDS, DEFAULT_ORDER, implementation)
     interpret = frontdoor.resolve_interpret(interpret)
     name = _choose(names, lhs, rhs, group_sizes, out_dtype, interpret)
     if name == "reference":
-        return BACKENDS["reference"].ragged_dot(
+        return reference.ragged_dot(
             lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
     return _kernel_ragged_dot(*vary_alike(lhs, rhs, group_sizes), name, out_dtype, interpret,
-                              _tiles_for(tiles, name), frontdoor.matmul_precision())
+                              frontdoor.tiles_for(tiles, name), frontdoor.matmul_precision())

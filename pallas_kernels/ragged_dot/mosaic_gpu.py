@@ -58,33 +58,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-try:  # Pallas' Mosaic GPU interpreter: private in JAX 0.10, needed for interpret mode only
-    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as _gpu_callbacks
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-except ImportError:  # a JAX that moved them (e.g. a GPU image's): compiled kernels still run
-    _gpu_callbacks = None
-
-    class InterpretGPUParams:
-        """Stands in for the missing class, so that isinstance checks stay valid."""
-
-from aristax.pallas_kernels.tiling import varying_like
-
-INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-ALIGN = 64  # K and N must be multiples of this (smallest block_k / block_n).
-ROW_ALIGN = 8  # M must be a multiple of this (TMA tiling of swizzled SMEM).
-H100_SMS = 132  # SM count used when lowering for CUDA on a host without a GPU.
-SMEM_BYTES = 227 * 1024  # SMEM per thread block on compute capability 9.0
-INTERPRET_PROGRAMS = 2  # persistent programs simulated in interpret mode
-_COMPILER_PARAMS = plgpu.CompilerParams(
-    lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+from aristax.pallas_kernels.mosaic_gpu_common import (
+    ALIGN, ROW_ALIGN, SMEM_BYTES, dtype_reason,
+    gmm_tile, launch, mma, platform_reason, raise_if, release_delay, resolve_interpret,
+    store_rows,
 )
 
 
@@ -99,8 +82,8 @@ class MosaicTiles:
 
     gmm (forward, and the backward's ``dlhs = gmm(dout, rhs^T)``) computes
     ``[block_m, block_n]`` output tiles, stepping K by ``block_k``. tgmm (the
-    backward's ``drhs``) computes ``[bwd_block_k, bwd_block_n]`` tiles of one group,
-    stepping over the group's rows ``bwd_block_m`` at a time. ``*_concurrent_steps``
+    backward's ``drhs``) computes ``[tgmm_block_k, tgmm_block_n]`` tiles of one group,
+    stepping over the group's rows ``tgmm_block_m`` at a time. ``*_concurrent_steps``
     is the TMA pipeline depth (SMEM buffers in flight); with 2 or more, each wgmma
     may stay in flight while the next step's copies land (``delay_release=1``).
     All block sizes are multiples of 64 (one wgmma warpgroup is 64 rows).
@@ -110,10 +93,10 @@ class MosaicTiles:
     block_n: int = 128
     block_k: int = 64
     max_concurrent_steps: int = 4
-    bwd_block_m: int = 64
-    bwd_block_k: int = 128
-    bwd_block_n: int = 128
-    bwd_max_concurrent_steps: int = 3
+    tgmm_block_m: int = 64
+    tgmm_block_k: int = 128
+    tgmm_block_n: int = 128
+    tgmm_max_concurrent_steps: int = 3
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -145,22 +128,22 @@ class MosaicTiles:
             block_n=block_n,
             block_k=block_k,
             max_concurrent_steps=steps,
-            bwd_block_m=64,
-            bwd_block_k=128 if k % 128 == 0 else ALIGN,
-            bwd_block_n=128 if n % 128 == 0 else ALIGN,
-            bwd_max_concurrent_steps=3,
+            tgmm_block_m=64,
+            tgmm_block_k=128 if k % 128 == 0 else ALIGN,
+            tgmm_block_n=128 if n % 128 == 0 else ALIGN,
+            tgmm_max_concurrent_steps=3,
         )
 
-    def smem_bytes(self, in_itemsize: int, out_itemsize: int, *, bwd: bool,
+    def smem_bytes(self, in_itemsize: int, out_itemsize: int, *, tgmm: bool,
                    out_tile_with_pipeline: bool = False) -> int:
         """SMEM of one program: the pipeline's operand buffers and the output tile,
         plus 1 KiB for barriers. The tile comes after the pipeline (a later scope, so
         the larger of the two counts), or, with ``out_tile_with_pipeline`` (a kernel
         that holds its tile around the pipeline, e.g. moe_mlp's ``down_combine``),
         alongside it (the sum)."""
-        if bwd:
-            bm, bk, bn = self.bwd_block_m, self.bwd_block_k, self.bwd_block_n
-            operands = self.bwd_max_concurrent_steps * (bm * bk + bm * bn) * in_itemsize
+        if tgmm:
+            bm, bk, bn = self.tgmm_block_m, self.tgmm_block_k, self.tgmm_block_n
+            operands = self.tgmm_max_concurrent_steps * (bm * bk + bm * bn) * in_itemsize
             out = bk * bn * out_itemsize
         else:
             bm, bk, bn = self.block_m, self.block_k, self.block_n
@@ -185,12 +168,13 @@ class MosaicTiles:
 
         tiles = dataclasses.replace(
             self, block_k=divides(self.block_k, k), block_n=divides(self.block_n, n),
-            bwd_block_k=divides(self.bwd_block_k, k),
-            bwd_block_n=divides(self.bwd_block_n, n),
+            tgmm_block_k=divides(self.tgmm_block_k, k),
+            tgmm_block_n=divides(self.tgmm_block_n, n),
         )
         sizes = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
-        for bwd, field in ((False, "max_concurrent_steps"), (True, "bwd_max_concurrent_steps")):
-            kw = dict(bwd=bwd, out_tile_with_pipeline=out_tile_with_pipeline and not bwd)
+        for tgmm, field in ((False, "max_concurrent_steps"),
+                            (True, "tgmm_max_concurrent_steps")):
+            kw = dict(tgmm=tgmm, out_tile_with_pipeline=out_tile_with_pipeline and not tgmm)
             while tiles.smem_bytes(*sizes, **kw) > SMEM_BYTES:
                 if getattr(tiles, field) == 1:
                     raise ValueError(f"{tiles} need {tiles.smem_bytes(*sizes, **kw)} "
@@ -199,7 +183,7 @@ class MosaicTiles:
         return tiles
 
 
-def _resolve_tiles(tiles, m: int, k: int, n: int, num_groups: int, in_dtype, out_dtype,
+def resolve_tiles(tiles, m: int, k: int, n: int, num_groups: int, in_dtype, out_dtype,
                    *, out_tile_with_pipeline: bool = False):
     """The caller's MosaicTiles (or the heuristic's when None), fitted to K and N."""
     if tiles is None:
@@ -211,86 +195,8 @@ def _resolve_tiles(tiles, m: int, k: int, n: int, num_groups: int, in_dtype, out
 
 
 # ---------------------------------------------------------------------------
-# Interpret mode and capability checks
+# Capability checks (the pieces are in ``mosaic_gpu_common``)
 # ---------------------------------------------------------------------------
-
-
-def interpret_params(*, detect_races: bool = True) -> InterpretGPUParams:
-    """The interpreter settings ``interpret=True`` stands for.
-
-    Out-of-bounds reads (a row tile running past M) give NaN instead of raising,
-    as TMA allows them (it fills zeros); uninitialized memory is NaN.
-
-    Raises:
-      NotImplementedError: this JAX has no Mosaic GPU interpreter where JAX 0.10 has
-        it (``jax._src.pallas.mosaic_gpu.interpret``).
-    """
-    if _gpu_callbacks is None:
-        raise NotImplementedError(
-            f"mosaic_gpu: interpret mode needs Pallas' Mosaic GPU interpreter at "
-            f"jax._src.pallas.mosaic_gpu.interpret (JAX 0.10); jax {jax.__version__} has "
-            f"none there. Run the compiled kernels (interpret=False) on a Hopper GPU.")
-    return InterpretGPUParams(
-        detect_races=detect_races,
-        out_of_bounds_reads="uninitialized",
-        uninitialized_memory="nan",
-    )
-
-
-def races_found() -> bool:
-    """Whether the last interpreted kernel (with race detection on) saw a data race."""
-    races = getattr(_gpu_callbacks, "_races", None)
-    return bool(races is not None and races.races_found)
-
-
-def reset_interpret_state() -> None:
-    """Clear the interpreter's global state (needed after a kernel raised)."""
-    if _gpu_callbacks is not None:
-        _gpu_callbacks.reset_gpu_interpret_mode_state()
-
-
-def resolve_interpret(interpret) -> bool | InterpretGPUParams:
-    """None -> interpret iff JAX's default backend is the CPU (the front door's rule)."""
-    return jax.default_backend() == "cpu" if interpret is None else interpret
-
-
-def _interpret_arg(interpret) -> InterpretGPUParams | None:
-    if isinstance(interpret, InterpretGPUParams):
-        return interpret
-    return interpret_params() if interpret else None
-
-
-def _num_programs(interpret) -> int:
-    """Persistent programs: the GPU's SM count (132, an H100, when cross-lowering)."""
-    if interpret:
-        return INTERPRET_PROGRAMS
-    if jax.default_backend() == "gpu":
-        return int(getattr(jax.devices()[0], "core_count", H100_SMS) or H100_SMS)
-    return H100_SMS
-
-
-def _platform_reason(interpret) -> str | None:
-    """Why the compiled kernel cannot run here (None when interpreting or fine)."""
-    if interpret:
-        return None
-    backend = jax.default_backend()
-    if backend == "cpu":
-        return None  # cross-lowering for CUDA with jax.export
-    if backend != "gpu":
-        return f"Mosaic GPU needs a CUDA GPU; the default backend is {backend!r}"
-    cc = str(getattr(jax.devices()[0], "compute_capability", ""))
-    if not cc.startswith("9."):
-        return f"wgmma needs compute capability 9.x (Hopper); this GPU has {cc or '?'}"
-    return None
-
-
-def _dtype_reason(a_dtype, b_dtype, out_dtype) -> str | None:
-    if a_dtype != b_dtype or jnp.dtype(a_dtype) not in INPUT_DTYPES:
-        return (f"inputs must both be bfloat16 or both float16 (float32 would run as "
-                f"TF32 on wgmma); got {a_dtype} and {b_dtype}")
-    if jnp.dtype(out_dtype) not in OUT_DTYPES:
-        return f"out_dtype must be one of {[str(d) for d in OUT_DTYPES]}; got {out_dtype}"
-    return None
 
 
 def _shape_reason(m: int, k: int, n: int, num_groups: int) -> str | None:
@@ -304,14 +210,6 @@ def _shape_reason(m: int, k: int, n: int, num_groups: int) -> str | None:
     return None
 
 
-def raise_if(op: str, *reasons: str | None) -> None:
-    """NotImplementedError "{op}: {reason}" for the first reason that is not None (the
-    front door then tries the next backend)."""
-    for reason in reasons:
-        if reason:
-            raise NotImplementedError(f"{op}: {reason}")
-
-
 def check(lhs, rhs, group_sizes, out_dtype=None, *, interpret=False) -> None:
     """Raise NotImplementedError (with the reason) unless gmm and its backward serve.
 
@@ -322,10 +220,10 @@ def check(lhs, rhs, group_sizes, out_dtype=None, *, interpret=False) -> None:
     (m, k), (g, _, n) = lhs.shape, rhs.shape
     raise_if(
         "mosaic_gpu ragged_dot",
-        _dtype_reason(lhs.dtype, rhs.dtype, out_dtype),
+        dtype_reason(lhs.dtype, rhs.dtype, out_dtype),
         _shape_reason(m, k, n, g),
         None if group_sizes.shape == (g,) else f"group_sizes must be [{g}]",
-        _platform_reason(interpret),
+        platform_reason(interpret),
     )
 
 
@@ -335,9 +233,9 @@ def check_tgmm(lhs, dout, group_sizes, out_dtype=None, *, interpret=False) -> No
     (m, k), (_, n) = lhs.shape, dout.shape
     raise_if(
         "mosaic_gpu ragged_dot",
-        _dtype_reason(lhs.dtype, dout.dtype, out_dtype),
+        dtype_reason(lhs.dtype, dout.dtype, out_dtype),
         _shape_reason(m, k, n, group_sizes.shape[0]),
-        _platform_reason(interpret),
+        platform_reason(interpret),
     )
 
 
@@ -410,80 +308,6 @@ def group_row_blocks(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
 # ---------------------------------------------------------------------------
 
 
-def _delay(steps: int) -> int:
-    """Steps a wgmma may keep its SMEM slot after issue: 1 iff the pipeline has 2+."""
-    return 1 if steps > 1 else 0
-
-
-def _mma(acc_ref, a, b, steps: int) -> None:
-    """acc[bm,bn] += a[bm,bk] @ b[bk,bn] on the tensor cores (async wgmma).
-
-    With one pipeline slot the next TMA copy overwrites this step's operands, so
-    the wgmma is waited for here; otherwise the next wgmma's implicit wait covers it.
-    """
-    plgpu.wgmma(acc_ref, a, b)
-    if not _delay(steps):
-        plgpu.wgmma_wait(0)
-
-
-def _store_rows(tile, out_gmem, row0, lo, hi, col0, max_rows: int) -> None:
-    """out[row0+lo : row0+hi, col0 : col0+bn] = tile[lo:hi] via SMEM and TMA stores."""
-
-    def scope(o_smem):
-        o_smem[...] = tile
-        _store_smem_rows(o_smem, out_gmem, row0, lo, hi, col0, max_rows)
-
-    pl.run_scoped(scope, plgpu.SMEM(tile.shape, out_gmem.dtype))
-
-
-def _store_smem_rows(o_smem, out_gmem, row0, lo, hi, col0, max_rows: int) -> None:
-    """out[row0+lo : row0+hi, col0 : col0+bn] = o_smem[lo:hi] by TMA stores.
-
-    ``hi - lo`` is only known at run time, a TMA box's shape at compile time: the
-    rows go out as a ladder of power-of-two boxes (largest first), one per set bit
-    of ``hi - lo``. ``max_rows`` (<= the tile height) bounds ``hi - lo``.
-    """
-    bn = o_smem.shape[1]
-    plgpu.commit_smem()
-    size = hi - lo
-    offset = lo
-    rows = 1 << int(math.log2(max_rows))
-    while rows >= 1:
-        this = rows
-
-        @pl.when((size & this) != 0)
-        def _():
-            plgpu.copy_smem_to_gmem(
-                o_smem.at[pl.ds(offset, this)],
-                out_gmem.at[pl.ds(row0 + offset, this), pl.ds(col0, bn)],
-            )
-
-        offset = offset + (size & this)
-        rows //= 2
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-
-def _gmm_tile(lhs_gmem, rhs_gmem, block, ni, tiles: MosaicTiles) -> jax.Array:
-    """f32[bm,bn] = lhs[block rows, :] @ rhs[:, ni cols] with a pipelined K loop."""
-    bm, bn, bk, steps = tiles.block_m, tiles.block_n, tiles.block_k, tiles.max_concurrent_steps
-    k = lhs_gmem.shape[1]
-    delay = _delay(steps)
-
-    def scope(acc_ref):
-        plgpu.emit_pipeline(
-            lambda _, a, b: _mma(acc_ref, a, b, steps),
-            grid=(k // bk,),
-            in_specs=[
-                plgpu.BlockSpec((bm, bk), lambda kk: (block, kk), delay_release=delay),
-                plgpu.BlockSpec((bk, bn), lambda kk: (kk, ni), delay_release=delay),
-            ],
-            max_concurrent_steps=steps,
-        )(lhs_gmem, rhs_gmem)
-        return acc_ref[...]
-
-    return pl.run_scoped(scope, plgpu.ACC((bm, bn), jnp.float32))
-
-
 def _gmm_body(sched_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: MosaicTiles):
     """Persistent loop over (row tile, column tile); see ``row_tile_schedule``."""
     m, n = out_gmem.shape
@@ -500,14 +324,14 @@ def _gmm_body(sched_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: MosaicTiles):
 
         @pl.when((hi > lo) & (group < g))
         def _():
-            acc = _gmm_tile(lhs_gmem, rhs_gmem.at[group], block, ni, tiles)
-            _store_rows(acc.astype(out_gmem.dtype), out_gmem, row0, lo, hi, col0,
+            acc = gmm_tile(lhs_gmem, rhs_gmem.at[group], block, ni, tiles)
+            store_rows(acc.astype(out_gmem.dtype), out_gmem, row0, lo, hi, col0,
                         min(bm, m))
 
         @pl.when((hi > lo) & (group == g))
         def _():
             zeros = jnp.zeros((bm, bn), out_gmem.dtype)
-            _store_rows(zeros, out_gmem, row0, lo, hi, col0, min(bm, m))
+            store_rows(zeros, out_gmem, row0, lo, hi, col0, min(bm, m))
 
 
 def _mask_rows(ref, row0, start, end) -> None:
@@ -539,9 +363,9 @@ def _tgmm_tile(lhs_gmem, dout_gmem, ki, ni, group_info, tiles, interpret):
     ``group_info`` = (start, end, first row block, number of row blocks) of the group.
     """
     start, end, first, blocks = group_info
-    bm, bk, bn = tiles.bwd_block_m, tiles.bwd_block_k, tiles.bwd_block_n
-    steps = tiles.bwd_max_concurrent_steps
-    delay = _delay(steps)
+    bm, bk, bn = tiles.tgmm_block_m, tiles.tgmm_block_k, tiles.tgmm_block_n
+    steps = tiles.tgmm_max_concurrent_steps
+    delay = release_delay(steps)
 
     def step(idx, lhs_smem, dout_smem, acc_ref, scratch):
         row0 = (first + idx[0]) * bm
@@ -552,7 +376,7 @@ def _tgmm_tile(lhs_gmem, dout_gmem, ki, ni, group_info, tiles, interpret):
             _mask_rows(dout_smem, row0, start, end)
             plgpu.commit_smem()
 
-        _mma(acc_ref, _lhs_transposed(lhs_smem, scratch), dout_smem, steps)
+        mma(acc_ref, _lhs_transposed(lhs_smem, scratch), dout_smem, steps)
 
     def scope(acc_ref, scratch=None):
         @pl.when(blocks > 0)
@@ -586,7 +410,7 @@ def _tgmm_body(info_gmem, lhs_gmem, dout_gmem, out_gmem, *, tiles: MosaicTiles,
                interpret):
     """Persistent loop over (group, K tile, N tile); see ``group_row_blocks``."""
     g, k, n = out_gmem.shape
-    bk, bn = tiles.bwd_block_k, tiles.bwd_block_n
+    bk, bn = tiles.tgmm_block_k, tiles.tgmm_block_n
 
     @plgpu.nd_loop((g, k // bk, n // bn), collective_axes="sm")
     def _(info):
@@ -603,20 +427,6 @@ def _tgmm_body(info_gmem, lhs_gmem, dout_gmem, out_gmem, *, tiles: MosaicTiles,
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
         pl.run_scoped(store, plgpu.SMEM((bk, bn), out_gmem.dtype))
-
-
-def _launch(body, out_type, interpret):
-    """A persistent Mosaic GPU kernel over ``grid=(programs,)`` named "sm", whose
-    outputs vary like its operands inside ``shard_map`` (``varying_like``)."""
-    kernel = plgpu.kernel(
-        body,
-        out_type=out_type,
-        grid=(_num_programs(interpret),),
-        grid_names=("sm",),
-        compiler_params=_COMPILER_PARAMS,
-        interpret=_interpret_arg(interpret),
-    )
-    return lambda *operands: varying_like(kernel(*operands), *operands)
 
 
 # ---------------------------------------------------------------------------
@@ -643,11 +453,11 @@ def gmm(lhs, rhs, group_sizes, *, out_dtype=None, tiles: MosaicTiles | None = No
     interpret = resolve_interpret(interpret)
     check(lhs, rhs, group_sizes, out_dtype, interpret=interpret)
     (m, k), (g, _, n) = lhs.shape, rhs.shape
-    tiles = _resolve_tiles(tiles, m, k, n, g, lhs.dtype, out_dtype)
+    tiles = resolve_tiles(tiles, m, k, n, g, lhs.dtype, out_dtype)
     sched = row_tile_schedule(group_sizes, m, tiles.block_m)
     body = functools.partial(_gmm_body, tiles=tiles)
     out_type = jax.ShapeDtypeStruct((m, n), out_dtype)
-    return _launch(body, out_type, interpret)(sched, lhs, rhs)
+    return launch(body, out_type, interpret)(sched, lhs, rhs)
 
 
 def tgmm(lhs, dout, group_sizes, *, out_dtype=None, tiles: MosaicTiles | None = None,
@@ -657,7 +467,7 @@ def tgmm(lhs, dout, group_sizes, *, out_dtype=None, tiles: MosaicTiles | None = 
     Args:
       lhs: [M,K] bf16/f16. dout: [M,N], lhs's dtype. group_sizes: int[G]; empty
         groups give zeros, rows past the sum are ignored.
-      out_dtype, tiles, interpret: as for ``gmm`` (tiles' ``bwd_*`` fields apply).
+      out_dtype, tiles, interpret: as for ``gmm`` (tiles' ``tgmm_*`` fields apply).
     Raises:
       NotImplementedError: when this backend cannot serve (see ``check_tgmm``).
     """
@@ -665,8 +475,8 @@ def tgmm(lhs, dout, group_sizes, *, out_dtype=None, tiles: MosaicTiles | None = 
     interpret = resolve_interpret(interpret)
     check_tgmm(lhs, dout, group_sizes, out_dtype, interpret=interpret)
     (m, k), (_, n), g = lhs.shape, dout.shape, group_sizes.shape[0]
-    tiles = _resolve_tiles(tiles, m, k, n, g, lhs.dtype, out_dtype)
-    info = group_row_blocks(group_sizes, m, tiles.bwd_block_m)
+    tiles = resolve_tiles(tiles, m, k, n, g, lhs.dtype, out_dtype)
+    info = group_row_blocks(group_sizes, m, tiles.tgmm_block_m)
     body = functools.partial(_tgmm_body, tiles=tiles, interpret=bool(interpret))
     out_type = jax.ShapeDtypeStruct((g, k, n), out_dtype)
-    return _launch(body, out_type, interpret)(info, lhs, dout)
+    return launch(body, out_type, interpret)(info, lhs, dout)

@@ -3,12 +3,12 @@
 Letters: M rows, K contraction, N output columns, G groups; group g owns the rows
 [offsets[g], offsets[g + 1]) with offsets = [0, cumsum(group_sizes)] clipped to M.
 
-gmm (out[m] = lhs[m] @ rhs[g(m)]): a grid over (schedule slots, N tiles). The schedule
+gmm (out[m] = lhs[m] @ rhs[g(m)]): a grid over (schedule steps, N tiles). The schedule
 (``gmm_schedule``, computed in jnp from ``group_sizes`` inside the trace) lists, group
 by group, the row tiles of ``block_m`` rows that cover each group; a tile straddling a
 group boundary appears once per group, and each visit loads and stores only its
-group's rows (masked loads and stores). Slots after the group tiles zero the tiles
-past sum(group_sizes); the remaining slots store nothing. The schedule has the static
+group's rows (masked loads and stores). Steps after the group tiles zero the tiles
+past sum(group_sizes); the remaining steps store nothing. The schedule has the static
 length cdiv(M, block_m) + G, an upper bound on the number of tiles any group sizes
 need (consecutive groups share at most one tile).
 
@@ -36,21 +36,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from aristax.pallas_kernels.tiling import is_pow2, out_type
+from aristax.pallas_kernels.triton_common import (
+    DTYPES, GROUP, MIN_TILE, ROW_HI, ROW_LO, TILE, ZERO_FROM, KernelTiles, gmm_schedule,
+    group_offsets, load, mask2d, steps_if, tail_mask,
+)
 
-DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-MIN_TILE = 16  # Triton's tl.dot needs every dot dimension >= 16.
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelTiles:
-    """One kernel's tiles: block_m rows, block_n output columns, block_k contraction,
-    and Triton's num_warps / num_stages (software-pipelining depth)."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,9 +54,9 @@ class TritonTiles:
     Attributes:
       block_m, block_n, block_k: gmm tiles over rows, output columns, contraction.
       num_warps, num_stages: gmm Triton launch parameters.
-      block_m_tgmm: rows reduced per tgmm loop step; block_k_tgmm, block_n_tgmm: the
-        tgmm output tile [block_k_tgmm, block_n_tgmm] of out[g].
-      num_warps_tgmm, num_stages_tgmm: tgmm Triton launch parameters.
+      tgmm_block_m: rows reduced per tgmm loop step; tgmm_block_k, tgmm_block_n: the
+        tgmm output tile [tgmm_block_k, tgmm_block_n] of out[g].
+      tgmm_num_warps, tgmm_num_stages: tgmm Triton launch parameters.
     """
 
     block_m: int = 64
@@ -74,21 +64,21 @@ class TritonTiles:
     block_k: int = 32
     num_warps: int = 4
     num_stages: int = 3
-    block_m_tgmm: int = 32
-    block_k_tgmm: int = 64
-    block_n_tgmm: int = 64
-    num_warps_tgmm: int = 4
-    num_stages_tgmm: int = 3
+    tgmm_block_m: int = 32
+    tgmm_block_k: int = 64
+    tgmm_block_n: int = 64
+    tgmm_num_warps: int = 4
+    tgmm_num_stages: int = 3
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if field.name.startswith("block_") and not (is_pow2(value) and value >= MIN_TILE):
+            value, kind = getattr(self, field.name), field.name.removeprefix("tgmm_")
+            if kind.startswith("block_") and not (is_pow2(value) and value >= MIN_TILE):
                 raise ValueError(f"TritonTiles.{field.name}={value!r} must be a power of 2 "
                                  f">= {MIN_TILE}")
-            if field.name.startswith("num_warps") and not is_pow2(value):
+            if kind == "num_warps" and not is_pow2(value):
                 raise ValueError(f"TritonTiles.{field.name}={value!r} must be a power of 2")
-            if field.name.startswith("num_stages") and not (isinstance(value, int) and value >= 1):
+            if kind == "num_stages" and not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"TritonTiles.{field.name}={value!r} must be an int >= 1")
 
     @classmethod
@@ -109,9 +99,9 @@ class TritonTiles:
             block_m=block_m, block_n=block_n, block_k=block_k,
             num_warps=8 if block_m * block_n >= 64 * 128 else 4,
             num_stages=3 if wide else 2,
-            block_m_tgmm=fit(m, 64 if wide else 32), block_k_tgmm=tgmm_k, block_n_tgmm=tgmm_n,
-            num_warps_tgmm=8 if tgmm_k * tgmm_n >= 128 * 128 else 4,
-            num_stages_tgmm=3 if wide else 2,
+            tgmm_block_m=fit(m, 64 if wide else 32), tgmm_block_k=tgmm_k, tgmm_block_n=tgmm_n,
+            tgmm_num_warps=8 if tgmm_k * tgmm_n >= 128 * 128 else 4,
+            tgmm_num_stages=3 if wide else 2,
         )
 
     @property
@@ -121,8 +111,8 @@ class TritonTiles:
 
     @property
     def tgmm(self) -> KernelTiles:
-        return KernelTiles(self.block_m_tgmm, self.block_n_tgmm, self.block_k_tgmm,
-                           self.num_warps_tgmm, self.num_stages_tgmm)
+        return KernelTiles(self.tgmm_block_m, self.tgmm_block_n, self.tgmm_block_k,
+                           self.tgmm_num_warps, self.tgmm_num_stages)
 
 
 def check(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_dtype, *,
@@ -154,110 +144,37 @@ def _resolve_tiles(tiles, m: int, k: int, n: int, dtype) -> TritonTiles:
     return tiles
 
 
-def group_offsets(group_sizes: jax.Array, m: int) -> jax.Array:
-    """int32[G + 1]: [0, cumsum(max(group_sizes, 0))] clipped to M (so the kernels
-    never address rows past M, whatever the sizes)."""
-    ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0),
-                                  dtype=jnp.int32), m)
-    return jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
-
-
-# Rows of the gmm schedule.
-GROUP, TILE, ROW_LO, ROW_HI, ZERO_FROM = range(5)
-
-
-def gmm_schedule(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
-    """The gmm tile schedule: int32[5, cdiv(M, block_m) + G].
-
-    Column t is one grid slot: (group, row tile, row_lo, row_hi, zero_from). The slot
-    multiplies rows [row_lo, row_hi) of tile ``tile`` by rhs[group] and stores them,
-    and stores zeros to that tile's rows >= zero_from. Slots, in order: every
-    nonempty group's covering tiles; then the tiles wholly past sum(group_sizes)
-    (row_lo = row_hi = 0, zero_from = sum); then idle slots (zero_from = M).
-    """
-    num_groups = group_sizes.shape[0]
-    num_tiles = pl.cdiv(m, block_m)
-    offsets = group_offsets(group_sizes, m)
-    starts, ends, total = offsets[:-1], offsets[1:], offsets[-1]
-    first = starts // block_m
-    count = jnp.where(ends > starts, (ends - 1) // block_m - first + 1, 0)
-    cum = jnp.cumsum(count, dtype=jnp.int32)
-    slot = jnp.arange(num_tiles + num_groups, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(cum, slot, side="right").astype(jnp.int32),
-                        num_groups - 1)
-    is_group_tile = slot < cum[-1]
-    zero_tile = (total + block_m - 1) // block_m + (slot - cum[-1])
-    is_zero_tile = ~is_group_tile & (zero_tile < num_tiles)
-    tile = jnp.where(is_group_tile, first[group] + slot - (cum[group] - count[group]),
-                     jnp.where(is_zero_tile, zero_tile, 0))
-    row_lo = jnp.where(is_group_tile, starts[group], 0)
-    row_hi = jnp.where(is_group_tile, ends[group], 0)
-    zero_from = jnp.where(is_group_tile | is_zero_tile, total, m)
-    return jnp.stack([group, tile, row_lo, row_hi, zero_from]).astype(jnp.int32)
-
-
-def _mask2d(row_mask, col_mask):
-    """[R, C] mask from optional [R] and [C] masks (None = all True; None if both)."""
-    if row_mask is None and col_mask is None:
-        return None
-    if col_mask is None:
-        return row_mask[:, None]
-    if row_mask is None:
-        return col_mask[None, :]
-    return row_mask[:, None] & col_mask[None, :]
-
-
-def _load(ref, mask):
-    """Masked load (zeros where ``mask`` is False); a plain load when mask is None."""
-    return plgpu.load(ref) if mask is None else plgpu.load(ref, mask=mask, other=0)
-
-
-def steps_if(live, steps: int):
-    """int32 ``steps`` where the scalar ``live`` holds, else 0: a loop bound.
-    (Not ``jnp.where(live, steps, 0)``: Pallas Triton gives a Python scalar in a
-    scalar select the predicate's type, i1, and the GPU's compiler then rejects the
-    loop: "'scf.for' op failed to verify that all of {lowerBound, upperBound, step}
-    have same type".)"""
-    return live.astype(jnp.int32) * steps
-
-
-def _tail_mask(start, size: int, bound: int):
-    """[size] mask start + i < bound, or None when ``bound`` is a multiple of size
-    (start is then a multiple of size and no tile overruns)."""
-    return None if bound % size == 0 else start + jnp.arange(size, dtype=jnp.int32) < bound
-
-
 def _gmm_kernel(sched_ref, lhs_ref, rhs_ref, out_ref, *, tiles: KernelTiles, dims):
-    """One (slot, N tile) program: out[tile rows in group, n tile] = lhs @ rhs[group].
+    """One (step, N tile) program: out[tile rows in group, n tile] = lhs @ rhs[group].
 
     sched_ref: int32[5, T]. lhs_ref: [M, K]. rhs_ref: [G, K, N]. out_ref: [M, N].
     """
     m, k, n = dims
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
-    slot, n_tile = pl.program_id(0), pl.program_id(1)
-    group = sched_ref[GROUP, slot]
-    row_lo, row_hi = sched_ref[ROW_LO, slot], sched_ref[ROW_HI, slot]
-    row0, col0 = sched_ref[TILE, slot] * bm, n_tile * bn
+    step, n_tile = pl.program_id(0), pl.program_id(1)
+    group = sched_ref[GROUP, step]
+    row_lo, row_hi = sched_ref[ROW_LO, step], sched_ref[ROW_HI, step]
+    row0, col0 = sched_ref[TILE, step] * bm, n_tile * bn
     rows = row0 + jnp.arange(bm, dtype=jnp.int32)
     in_group = (rows >= row_lo) & (rows < row_hi)
-    col_ok = _tail_mask(col0, bn, n)
+    col_ok = tail_mask(col0, bn, n)
 
     def body(step, acc):
         k0 = step * bk
-        k_ok = _tail_mask(k0, bk, k)
-        a = _load(lhs_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)],
-                  _mask2d(in_group, k_ok))
-        b = _load(rhs_ref.at[group, pl.ds(k0, bk), pl.ds(col0, bn)],
-                  _mask2d(k_ok, col_ok))
+        k_ok = tail_mask(k0, bk, k)
+        a = load(lhs_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)],
+                  mask2d(in_group, k_ok))
+        b = load(rhs_ref.at[group, pl.ds(k0, bk), pl.ds(col0, bn)],
+                  mask2d(k_ok, col_ok))
         return acc + plgpu.dot(a, b)
 
     acc = lax.fori_loop(0, steps_if(row_hi > row_lo, pl.cdiv(k, bk)), body,
                         jnp.zeros((bm, bn), jnp.float32))
     # Rows outside the group hold 0 * rhs, which is NaN where rhs is inf: select 0.
     acc = jnp.where(in_group[:, None], acc, 0.0)
-    row_ok = (in_group | (rows >= sched_ref[ZERO_FROM, slot])) & (rows < m)
+    row_ok = (in_group | (rows >= sched_ref[ZERO_FROM, step])) & (rows < m)
     plgpu.store(out_ref.at[pl.ds(row0, bm), pl.ds(col0, bn)], acc.astype(out_ref.dtype),
-                mask=_mask2d(row_ok, col_ok))
+                mask=mask2d(row_ok, col_ok))
 
 
 def gmm(lhs, rhs, group_sizes, *, out_dtype, tiles=None, interpret=False) -> jax.Array:
@@ -297,21 +214,21 @@ def _tgmm_kernel(offsets_ref, lhs_ref, dout_ref, out_ref, *, tiles: KernelTiles,
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     group, k0, n0 = pl.program_id(0), pl.program_id(1) * bk, pl.program_id(2) * bn
     row_lo, row_hi = offsets_ref[group], offsets_ref[group + 1]
-    k_ok, n_ok = _tail_mask(k0, bk, k), _tail_mask(n0, bn, n)
+    k_ok, n_ok = tail_mask(k0, bk, k), tail_mask(n0, bn, n)
 
     def body(step, acc):
         row0 = row_lo + step * bm
         row_ok = row0 + jnp.arange(bm, dtype=jnp.int32) < row_hi
-        a = _load(lhs_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)],
-                  _mask2d(row_ok, k_ok))
-        b = _load(dout_ref.at[pl.ds(row0, bm), pl.ds(n0, bn)],
-                  _mask2d(row_ok, n_ok))
+        a = load(lhs_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)],
+                  mask2d(row_ok, k_ok))
+        b = load(dout_ref.at[pl.ds(row0, bm), pl.ds(n0, bn)],
+                  mask2d(row_ok, n_ok))
         return acc + plgpu.dot(a, b, trans_a=True)
 
     steps = (row_hi - row_lo + bm - 1) // bm  # int32 also under jax_enable_x64
     acc = lax.fori_loop(0, steps, body, jnp.zeros((bk, bn), jnp.float32))
     plgpu.store(out_ref.at[group, pl.ds(k0, bk), pl.ds(n0, bn)], acc.astype(out_ref.dtype),
-                mask=_mask2d(k_ok, n_ok))
+                mask=mask2d(k_ok, n_ok))
 
 
 def tgmm(lhs, dout, group_sizes, *, out_dtype, tiles=None, interpret=False) -> jax.Array:

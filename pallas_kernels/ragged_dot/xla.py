@@ -123,7 +123,7 @@ def group_bounds(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
 
 class Tiles(NamedTuple):
     """A schedule: tile t < count covers rows [lo[t], lo[t] + rows[t]) of group
-    group[t] (rows[t] <= the tile size); slots past count are unused."""
+    group[t] (rows[t] <= the tile size); entries past count are unused."""
 
     group: jax.Array
     lo: jax.Array
@@ -131,12 +131,12 @@ class Tiles(NamedTuple):
     count: jax.Array
 
 
-def tile_schedule(starts: jax.Array, lengths: jax.Array, size: int, slots: int) -> Tiles:
+def tile_schedule(starts: jax.Array, lengths: jax.Array, size: int, entries: int) -> Tiles:
     """Tiles of ``size`` rows cut from the start of each group's span [starts[g],
-    starts[g] + lengths[g]), group by group; ``slots`` bounds their number."""
+    starts[g] + lengths[g]), group by group; ``entries`` bounds their number."""
     tiles = (lengths + size - 1) // size
     last = jnp.cumsum(tiles, dtype=jnp.int32)
-    t = jnp.arange(slots, dtype=jnp.int32)
+    t = jnp.arange(entries, dtype=jnp.int32)
     group = jnp.minimum(jnp.searchsorted(last, t, side="right"),
                         lengths.shape[0] - 1).astype(jnp.int32)
     lo = starts[group] + (t - (last[group] - tiles[group])) * size

@@ -2,15 +2,19 @@
 
 Letters: T tokens, D model dim, E experts, K = top_k.
 
-Every backend returns ``RouteOutput`` with the reference's contract; the backward
-pass is shared and written in ``jnp`` on the saved logits (it is O(T*E), the
-forward's GEMM transpose aside), so a backend only implements the forward.
+A backend is a module in this folder (the protocol of ``frontdoor``) with
+  ``check(x, w_router, top_k, *, interpret)``: NotImplementedError with the reason
+      when it cannot serve;
+  ``route(x, w_router, bias, *, top_k, score, normalize, interpret)`` -> ``RouteOutput``
+      with the reference's contract.
+The backward pass is shared and written in ``jnp`` on the saved logits (it is O(T*E),
+the forward's GEMM transpose aside), so a backend only implements the forward.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from types import ModuleType
 
 import jax
 import jax.numpy as jnp
@@ -20,11 +24,9 @@ from aristax.pallas_kernels.route import mosaic_gpu, reference, triton
 from aristax.pallas_kernels.route.reference import SCORES, RouteOutput
 from aristax.pallas_kernels.tiling import vary_alike
 
-BACKENDS: dict[str, Callable[..., RouteOutput]] = {
-    "mosaic_gpu": mosaic_gpu.route,
-    "triton": triton.route,
-    "reference": reference.route,
-}
+OP = "route"
+BACKENDS: dict[str, ModuleType] = {
+    "mosaic_gpu": mosaic_gpu, "triton": triton, "reference": reference}
 # Timed on an H200 (T 4096, D 4096, E 8, K 2; gpu_check.py): Triton 0.056 ms, the
 # reference 0.057, Mosaic GPU 0.065 forward; the router GEMM alone 0.041. Triton stays
 # first where a kernel is named; Mosaic GPU is named explicitly.
@@ -81,21 +83,21 @@ def _score_vjp(logits: jax.Array, ids: jax.Array, dweights: jax.Array,
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _route(x, w_router, bias, top_k, score, normalize, names, interpret):
-    return frontdoor.call_first("route", BACKENDS, names, x, w_router, bias, top_k=top_k,
-                                score=score, normalize=normalize, interpret=interpret)
+def _route(x, w_router, bias, top_k, score, normalize, name, interpret):
+    return BACKENDS[name].route(x, w_router, bias, top_k=top_k, score=score,
+                                normalize=normalize, interpret=interpret)
 
 
-def _route_fwd(x, w_router, bias, top_k, score, normalize, names, interpret):
-    out = _route(x, w_router, bias, top_k, score, normalize, names, interpret)
+def _route_fwd(x, w_router, bias, top_k, score, normalize, name, interpret):
+    out = _route(x, w_router, bias, top_k, score, normalize, name, interpret)
     return out, (x, w_router, bias, out.logits, out.expert_ids)
 
 
-def _route_bwd(top_k, score, normalize, names, interpret, residuals, cotangents):
+def _route_bwd(top_k, score, normalize, name, interpret, residuals, cotangents):
     """dx = dlogits_total @ w^T, dw = x^T @ dlogits_total; the bias only selects.
     Tokens with a NaN or inf feature are left out of dw (their dlogits are 0, and inf
     times 0 would be NaN)."""
-    del top_k, names, interpret
+    del top_k, name, interpret
     x, w_router, bias, logits, ids = residuals
     dlogits = cotangents.logits.astype(logits.dtype) + _score_vjp(
         logits, ids, cotangents.weights, score, normalize)
@@ -126,7 +128,7 @@ def route(
     logits = x @ w_router; scores = softmax (Switch eq. 1) or sigmoid (DeepSeek-V3
     eq. 15); ids = top_k(scores + bias) with lax.top_k's tie rule (lowest expert
     first); weights = scores[ids], renormalised over K when ``normalize``; counts and
-    sort_order give the stable expert order of the T*K slots (``aristax.dispatch``'s
+    sort_order give the stable expert order of the T*K assignments (``aristax.dispatch``'s
     dropless layout). Equals ``aristax.routing.route`` with router "softmax_topk" or
     "sigmoid", num_groups=1 and routed_scaling_factor=1 (``reference`` module docstring).
 
@@ -146,6 +148,8 @@ def route(
       w.r.t. x and w_router.
     """
     _validate(x, w_router, bias, top_k, score)
-    names = frontdoor.candidates("route", BACKENDS, DEFAULT_ORDER, implementation)
-    return _route(*vary_alike(x, w_router, bias), int(top_k), score, bool(normalize), names,
-                  frontdoor.resolve_interpret(interpret))
+    names = frontdoor.candidates(OP, BACKENDS, DEFAULT_ORDER, implementation)
+    interpret = frontdoor.resolve_interpret(interpret)
+    name = frontdoor.choose(OP, BACKENDS, names, x, w_router, int(top_k), interpret=interpret)
+    return _route(*vary_alike(x, w_router, bias), int(top_k), score, bool(normalize), name,
+                  interpret)

@@ -17,8 +17,8 @@ Kernel ``_topk_body`` (persistent: the SMs walk the NB token blocks):
   more wgmma, strictly-lower-triangular ones [BT, BT] @ one-hot [BT, Ep] in
   bfloat16, exact in its float32 accumulator (every entry is a count < BT).
 ``jnp`` after the kernel, O(T*K + NB*E): the counts and each (block, expert)'s first
-row (``route.triton.block_bases``), the rows of non-finite tokens after all routed
-rows (``route.triton.nonfinite_rows``), and one scatter
+row (``reference.block_bases``), the rows of non-finite tokens after all routed
+rows (``reference.nonfinite_rows``), and one scatter
 sort_order[base[b, ids[t, k]] + rank[t, k]] = t*K + k (a permutation). A scalar
 scatter inside the kernel would serialise the T*K stores of a block.
 
@@ -27,7 +27,7 @@ w_router both bfloat16 or both float16 (float32 would run as TF32 on wgmma and c
 change the selection); D a multiple of 64; T a multiple of 8; E <= 256 (one wgmma
 is at most 256 columns wide); K <= ``MAX_TOP_K``; compiled only on Hopper, or on the
 CPU when cross-lowering with ``jax.export``. Interpret mode runs Pallas' Mosaic GPU
-interpreter with its race detector (``ragged_dot.mosaic_gpu.races_found``); the
+interpreter with its race detector (``mosaic_gpu_common.races_found``); the
 interpreter has no register layouts, so the layout annotations apply only when
 compiling. On an H200 (jax 0.11.2) it matched the reference at T 4096, D 4096, E 8
 and took 0.065 ms, Triton's 0.056 (``gpu_check.py``); its register use at Ep = 256 is
@@ -43,18 +43,18 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from aristax.pallas_kernels import mosaic_gpu_common as mgpu
 from aristax.pallas_kernels.ragged_dot import mosaic_gpu as mg
-from aristax.pallas_kernels.route.reference import RouteOutput
-from aristax.pallas_kernels.route.triton import block_bases, nonfinite_rows
+from aristax.pallas_kernels.route.reference import RouteOutput, block_bases, nonfinite_rows
+from aristax.pallas_kernels.tiling import MAX_TOP_K
 
 BLOCK_T = 64  # tokens per tile: the rows of one wgmma warpgroup
 MAX_EXPERTS = 256  # the widest wgmma
-MAX_TOP_K = 64  # the top-k rounds are unrolled
 
 
 def padded_experts(num_experts: int) -> int:
     """Ep: E rounded up to a multiple of 64 (wgmma/TMA columns), at least 128."""
-    return max(128, -(-num_experts // mg.ALIGN) * mg.ALIGN)
+    return max(128, -(-num_experts // mgpu.ALIGN) * mgpu.ALIGN)
 
 
 def padded_top_k(top_k: int) -> int:
@@ -62,25 +62,25 @@ def padded_top_k(top_k: int) -> int:
     return -(-top_k // 8) * 8
 
 
-def check(x: jax.Array, w_router: jax.Array, top_k: int, interpret=False) -> None:
+def check(x: jax.Array, w_router: jax.Array, top_k: int, *, interpret=False) -> None:
     """NotImplementedError with the reason when this backend cannot serve."""
     (T, D), E = x.shape, w_router.shape[1]
-    mg.raise_if(
+    mgpu.raise_if(
         "mosaic_gpu route",
-        mg._dtype_reason(x.dtype, w_router.dtype, jnp.float32),
-        None if D % mg.ALIGN == 0 else f"D={D} must be a multiple of {mg.ALIGN}",
-        None if T % mg.ROW_ALIGN == 0 else f"T={T} must be a multiple of {mg.ROW_ALIGN}",
+        mgpu.dtype_reason(x.dtype, w_router.dtype, jnp.float32),
+        None if D % mgpu.ALIGN == 0 else f"D={D} must be a multiple of {mgpu.ALIGN}",
+        None if T % mgpu.ROW_ALIGN == 0 else f"T={T} must be a multiple of {mgpu.ROW_ALIGN}",
         None if E <= MAX_EXPERTS else f"E={E} > {MAX_EXPERTS} experts (one wgmma)",
         None if top_k <= MAX_TOP_K else f"top_k={top_k} > {MAX_TOP_K}",
-        mg._platform_reason(interpret),
+        mgpu.platform_reason(interpret),
     )
 
 
 def _gemm_tiles(d_model: int, ep: int, dtype) -> mg.MosaicTiles:
     """The logits GEMM: BT rows x all Ep columns, K steps of 64, up to 4 in flight
     (fewer where SMEM would overflow: ``MosaicTiles.fit``)."""
-    tiles = mg.MosaicTiles(block_m=BLOCK_T, block_n=ep, block_k=mg.ALIGN,
-                           max_concurrent_steps=max(1, min(4, d_model // mg.ALIGN)))
+    tiles = mg.MosaicTiles(block_m=BLOCK_T, block_n=ep, block_k=mgpu.ALIGN,
+                           max_concurrent_steps=max(1, min(4, d_model // mgpu.ALIGN)))
     return tiles.fit(d_model, ep, dtype, jnp.float32)
 
 
@@ -135,7 +135,7 @@ def _top_k(select: jax.Array, cols: jax.Array, top_k: int) -> list[jax.Array]:
     return picks
 
 
-def _by_slot(values: list[jax.Array], kcols: jax.Array) -> jax.Array:
+def _by_choice(values: list[jax.Array], kcols: jax.Array) -> jax.Array:
     """[BT, Kp] with column k = values[k] ([BT] each), 0 past K."""
     out = jnp.zeros(kcols.shape, values[0].dtype)
     for k, v in enumerate(values):
@@ -187,8 +187,8 @@ def _topk_body(x_gmem, w_gmem, bias_gmem, logits_gmem, ids_gmem, wts_gmem, rank_
             b = info.index[0]
             row0 = b * BLOCK_T
             num_rows = jnp.minimum(T - row0, BLOCK_T)
-            logits = mg._gmm_tile(x_gmem, w_gmem, b, 0, tiles)
-            mg._store_rows(logits, logits_gmem, row0, 0, num_rows, 0, max_rows)
+            logits = mgpu.gmm_tile(x_gmem, w_gmem, b, 0, tiles)
+            mgpu.store_rows(logits, logits_gmem, row0, 0, num_rows, 0, max_rows)
 
             cols = _iota(logits.shape, 1, interpret)
             kcols = _iota((BLOCK_T, kp), 1, interpret)
@@ -208,18 +208,18 @@ def _topk_body(x_gmem, w_gmem, bias_gmem, logits_gmem, ids_gmem, wts_gmem, rank_
                 hit = cols == _per_row(idx, ep)
                 picked.append(jnp.sum(jnp.where(hit, scores, 0.0), axis=1))
                 onehot = jnp.where(hit & routed, 1.0, onehot)
-            wts = _by_slot(picked, kcols)
+            wts = _by_choice(picked, kcols)
             if normalize:  # as reference.normalize_rows: underflowed rows get 0
                 total = _per_row(jnp.sum(wts, axis=1), kp)
                 ok = total >= jnp.finfo(jnp.float32).tiny
                 wts = jnp.where(ok, wts / jnp.where(ok, total, 1.0), 0.0)
             wts = jnp.where(_per_row(num_bad, kp) == 0, wts, 0.0)
             before = _ranks_before(onehot, interpret)
-            rank = _by_slot([jnp.sum(jnp.where(cols == _per_row(idx, ep), before, 0.0),
+            rank = _by_choice([jnp.sum(jnp.where(cols == _per_row(idx, ep), before, 0.0),
                                      axis=1) for idx in picks], kcols)
-            for tile, out in ((_by_slot(picks, kcols), ids_gmem), (wts, wts_gmem),
+            for tile, out in ((_by_choice(picks, kcols), ids_gmem), (wts, wts_gmem),
                               (rank.astype(jnp.int32), rank_gmem)):
-                mg._store_rows(tile, out, row0, 0, num_rows, 0, max_rows)
+                mgpu.store_rows(tile, out, row0, 0, num_rows, 0, max_rows)
 
             hist_smem[...] = jnp.sum(onehot, axis=0).astype(jnp.int32)
             plgpu.commit_smem()
@@ -252,8 +252,8 @@ def route(
     Raises:
       NotImplementedError: when this backend cannot serve (see ``check``).
     """
-    interpret = mg.resolve_interpret(interpret)
-    check(x, w_router, top_k, interpret)
+    interpret = mgpu.resolve_interpret(interpret)
+    check(x, w_router, top_k, interpret=interpret)
     T, E = x.shape[0], w_router.shape[1]
     ep, kp, nb = padded_experts(E), padded_top_k(top_k), pl.cdiv(T, BLOCK_T)
     w_padded = jnp.pad(w_router, ((0, 0), (0, ep - E)))
@@ -265,7 +265,7 @@ def route(
                 jax.ShapeDtypeStruct((nb * ep,), i32))
     body = functools.partial(_topk_body, num_experts=E, top_k=top_k, score=score,
                              normalize=normalize, interpret=bool(interpret))
-    logits, ids, weights, rank, hist = mg._launch(body, out_type, interpret)(
+    logits, ids, weights, rank, hist = mgpu.launch(body, out_type, interpret)(
         x, w_padded, bias_padded)
     logits, ids = logits[:, :E], ids[:, :top_k]
     counts, base = block_bases(hist.reshape(nb, ep), E)

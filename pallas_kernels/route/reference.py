@@ -9,14 +9,14 @@ One call runs the whole token-choice router and the dropless expert order:
                                                                      DeepSeek-V3 eq. 15)
   ids[t]       = top_k(scores[t] + bias)    (bias selects only: DeepSeek-V3 eq. 16)
   weights[t,k] = scores[t, ids[t,k]]  (/ sum_k of them when ``normalize``)
-  sort_order   = stable argsort of the T*K flat slots (t*K + k) by expert id
+  sort_order   = stable argsort of the T*K flat assignments (t*K + k) by expert id
 
 Tokens whose logits are not all finite are routed nowhere, as ``aristax.routing``
-does: their weights are 0, their slots sort after every routed slot (as if they went
+does: their weights are 0, their assignments sort after every routed assignment (as if they went
 to a virtual expert E) and ``counts`` leaves them out, so ``sum(counts)`` is the
-number of routed slots. This is exactly the layout of
-``aristax.dispatch.dropless_dispatch``: ``sort_order`` is its ``row_slot`` and the
-inverse permutation is its ``slot``.
+number of routed assignments. This is exactly the layout of
+``aristax.dispatch.dropless_dispatch``: ``sort_order`` is its ``sort_order`` and the
+inverse permutation is its ``row_of``.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ class RouteOutput(NamedTuple):
     Attributes:
       logits: float32[T, E] raw router logits (float64 for float64 inputs).
       expert_ids: int32[T, K] experts of each token, best first.
-      weights: float32[T, K] combine weight of each slot (0 for non-finite tokens).
-      counts: int32[E] routed slots per expert (the grouped GEMM's group sizes).
-      sort_order: int32[T*K] flat slot (t*K + k) held by each row in expert order.
+      weights: float32[T, K] combine weight of each assignment (0 for non-finite tokens).
+      counts: int32[E] routed assignments per expert (the grouped GEMM's group sizes).
+      sort_order: int32[T*K] flat assignment (t*K + k) held by each row in expert order.
     """
 
     logits: jax.Array
@@ -45,6 +45,11 @@ class RouteOutput(NamedTuple):
     weights: jax.Array
     counts: jax.Array
     sort_order: jax.Array
+
+
+def check(x: jax.Array, w_router: jax.Array, top_k: int, *, interpret: bool = False) -> None:
+    """The reference serves every call (the backend protocol's ``check``)."""
+    del x, w_router, top_k, interpret
 
 
 def accumulation_dtype(*dtypes) -> jnp.dtype:
@@ -100,8 +105,8 @@ def expert_order(
 ) -> tuple[jax.Array, jax.Array]:
     """counts int32[E] and sort_order int32[T*K], the dropless layout.
 
-    The key of slot t*K + k is ids[t, k], or E for a non-finite token; sort_order is
-    the stable argsort of the keys, so rows of one expert keep slot order.
+    The key of assignment t*K + k is ids[t, k], or E for a non-finite token; sort_order is
+    the stable argsort of the keys, so rows of one expert keep assignment order.
     """
     key = jnp.where(finite[:, None], ids, num_experts).reshape(-1)
     sort_order = jnp.argsort(key, stable=True).astype(jnp.int32)
@@ -136,3 +141,26 @@ def route(
     weights = jnp.where(finite[:, None], gate_weights(scores, ids, normalize), 0.0)
     counts, sort_order = expert_order(ids, finite, w_router.shape[1])
     return RouteOutput(logits, ids, weights, counts, sort_order)
+
+
+# Pieces the kernel backends share: jnp glue around their kernels, outside them.
+
+
+def block_bases(hist: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """counts int32[E] and base int32[NB, Ep]: first row of each (block, expert).
+
+    base[b, e] = sum_{e' < e} counts[e'] + sum_{b' < b} hist[b', e] (exclusive
+    prefix sums over experts, then over blocks).
+    """
+    counts = jnp.sum(hist, axis=0, dtype=jnp.int32)  # int32 also under jax_enable_x64
+    starts = jnp.cumsum(counts, dtype=jnp.int32) - counts
+    base = starts[None, :] + jnp.cumsum(hist, axis=0, dtype=jnp.int32) - hist
+    return counts[:num_experts], base
+
+
+def nonfinite_rows(logits: jax.Array, num_routed: jax.Array, top_k: int) -> jax.Array:
+    """int32[T]: first row of each non-finite token's K assignments (after all routed rows),
+    -1 for finite tokens."""
+    nonfinite = ~jnp.all(jnp.isfinite(logits), axis=-1)
+    before = jnp.cumsum(nonfinite, dtype=jnp.int32) - nonfinite.astype(jnp.int32)
+    return jnp.where(nonfinite, num_routed + top_k * before, -1).astype(jnp.int32)

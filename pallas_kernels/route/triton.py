@@ -13,7 +13,7 @@ Kernel 1 (``_router_kernel``, one program per BT tokens):
 ``jnp`` between the kernels (the cross-block prefix, which needs every block's
 histogram, so it cannot run inside one launch; O(NB * E) work):
   counts = sum_b hist, base[b, e] = start of expert e + rows of e in blocks < b, and
-  the rows of non-finite tokens, which follow all routed rows in slot order.
+  the rows of non-finite tokens, which follow all routed rows in assignment order.
 Kernel 2 (``_order_kernel``, one program per BT tokens):
   pos[t, k] = base[b, ids[t, k]] + rank[t, k], and the scatter
   sort_order[pos[t, k]] = t*K + k (each row is written exactly once).
@@ -29,11 +29,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from aristax.pallas_kernels.route.reference import RouteOutput, normalize_rows
-from aristax.pallas_kernels.tiling import next_pow2, out_type
+from aristax.pallas_kernels.route.reference import (
+    RouteOutput, block_bases, nonfinite_rows, normalize_rows,
+)
+from aristax.pallas_kernels.tiling import MAX_TOP_K, next_pow2, out_type
 
 MAX_EXPERTS = 1024  # Ep x BT tiles beyond this spill registers; fall back instead.
-MAX_TOP_K = 64  # the top-k rounds are unrolled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +124,7 @@ def _top_k_tile(select: jax.Array, cols: jax.Array, top_k: int) -> list[jax.Arra
     return picks
 
 
-def _slot_tiles(picks, scores, cols, kcols, normalize: bool):
+def _choice_tiles(picks, scores, cols, kcols, normalize: bool):
     """ids int32[BT, Kp], weights f32[BT, Kp] (eq. of ``reference.gate_weights``) and
     the token x expert one-hot int32[BT, Ep] of the K picks."""
     shape = (scores.shape[0], kcols.shape[0])
@@ -145,7 +146,7 @@ def _block_ranks(onehot, picks, cols, kcols) -> jax.Array:
 
     The K experts of one token are distinct, so this is the exclusive cumsum of the
     one-hot over the block's tokens, read at each pick; with the block offsets it
-    gives the stable sort position (slot order within an expert).
+    gives the stable sort position (assignment order within an expert).
     """
     before = jnp.cumsum(onehot, axis=0) - onehot
     rank = jnp.zeros((onehot.shape[0], kcols.shape[0]), jnp.int32)
@@ -179,7 +180,7 @@ def _router_kernel(x_ref, w_ref, b_ref, logits_ref, ids_ref, wts_ref, rank_ref, 
     bias = plgpu.load(b_ref.at[jnp.minimum(cols, E - 1)], mask=cmask, other=0.0)
     picks = _top_k_tile(jnp.where(cmask[None, :], scores + bias[None, :], -jnp.inf), cols,
                         top_k)
-    ids, wts, onehot = _slot_tiles(picks, scores, cols, kcols, normalize)
+    ids, wts, onehot = _choice_tiles(picks, scores, cols, kcols, normalize)
     wts = jnp.where(finite[:, None], wts, 0.0)
     onehot = jnp.where((finite & rmask)[:, None], onehot, 0)  # unrouted tokens: no rows
     rank = _block_ranks(onehot, picks, cols, kcols)
@@ -192,7 +193,7 @@ def _router_kernel(x_ref, w_ref, b_ref, logits_ref, ids_ref, wts_ref, rank_ref, 
 
 
 def _order_kernel(ids_ref, rank_ref, base_ref, nf_ref, order_ref, *, tiles: RouteTiles):
-    """Kernel 2: sort_order[pos] = slot with pos = base[b, ids] + rank (or nf_ref + k)."""
+    """Kernel 2: sort_order[pos] = assignment with pos = base[b, ids] + rank (or nf_ref + k)."""
     T, K = ids_ref.shape
     b = pl.program_id(0)
     rows = b * tiles.block_t + jnp.arange(tiles.block_t, dtype=jnp.int32)
@@ -211,28 +212,9 @@ def _order_kernel(ids_ref, rank_ref, base_ref, nf_ref, order_ref, *, tiles: Rout
         plgpu.store(order_ref.at[jnp.where(rmask, pos, T * K)], rows * K + k, mask=rmask)
 
 
-def block_bases(hist: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
-    """counts int32[E] and base int32[NB, Ep]: first row of each (block, expert).
-
-    base[b, e] = sum_{e' < e} counts[e'] + sum_{b' < b} hist[b', e] (exclusive
-    prefix sums over experts, then over blocks).
-    """
-    counts = jnp.sum(hist, axis=0, dtype=jnp.int32)  # int32 also under jax_enable_x64
-    starts = jnp.cumsum(counts, dtype=jnp.int32) - counts
-    base = starts[None, :] + jnp.cumsum(hist, axis=0, dtype=jnp.int32) - hist
-    return counts[:num_experts], base
-
-
-def nonfinite_rows(logits: jax.Array, num_routed: jax.Array, top_k: int) -> jax.Array:
-    """int32[T]: first row of each non-finite token's K slots (after all routed rows),
-    -1 for finite tokens."""
-    nonfinite = ~jnp.all(jnp.isfinite(logits), axis=-1)
-    before = jnp.cumsum(nonfinite, dtype=jnp.int32) - nonfinite.astype(jnp.int32)
-    return jnp.where(nonfinite, num_routed + top_k * before, -1).astype(jnp.int32)
-
-
-def _check_supported(x: jax.Array, w_router: jax.Array, top_k: int) -> None:
-    """NotImplementedError (so the front door tries the next backend) when unserved."""
+def check(x: jax.Array, w_router: jax.Array, top_k: int, *, interpret: bool = False) -> None:
+    """NotImplementedError with the reason when this backend cannot serve."""
+    del interpret  # interpreted on CPU, compiled on any GPU Triton supports
     for name, arr in (("x", x), ("w_router", w_router)):
         if arr.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
             raise NotImplementedError(f"{name} dtype {arr.dtype} (Triton router: f32/bf16/f16)")
@@ -250,11 +232,11 @@ def _router_call(x, w_router, bias, *, top_k, score, normalize, interpret, tiles
     nb = pl.cdiv(T, tiles.block_t)
     i32, f32 = jnp.int32, jnp.float32
     operands = (x, w_router, bias)
-    per_slot = [out_type((T, top_k), dt, *operands) for dt in (i32, f32, i32)]
+    per_choice = [out_type((T, top_k), dt, *operands) for dt in (i32, f32, i32)]
     return pl.pallas_call(
         functools.partial(_router_kernel, top_k=top_k, score=score, normalize=normalize,
                           tiles=tiles),
-        out_shape=(out_type((T, E), f32, *operands), *per_slot,
+        out_shape=(out_type((T, E), f32, *operands), *per_choice,
                    out_type((nb, padded_experts(E)), i32, *operands)),
         grid=(nb,), compiler_params=tiles.params(), interpret=interpret, name="route_topk",
     )(x, w_router, bias)
@@ -292,7 +274,7 @@ def route(
     Returns:
       ``RouteOutput`` (logits/weights in float32).
     """
-    _check_supported(x, w_router, top_k)
+    check(x, w_router, top_k)
     (T, D), E = x.shape, w_router.shape[1]
     tiles = tiles or RouteTiles.for_shape(T, D, E)
     bias = jnp.zeros((E,), jnp.float32) if bias is None else bias.astype(jnp.float32)

@@ -22,6 +22,7 @@ import pytest
 
 from cuda_export import MOSAIC_INTERPRET, TRITON_CUDA, export_for_cuda
 from aristax import MoEConfig, MoEParams, moe
+from aristax.pallas_kernels import mosaic_gpu_common as mgpu
 from aristax.pallas_kernels import moe_mlp
 from aristax.pallas_kernels.moe_mlp import (
     GateUpTiles, MoeMlpTiles, MosaicMoeMlpTiles, api, fused_backend, mosaic_gpu, reference,
@@ -41,8 +42,8 @@ MOSAIC_SHAPE = (20, 128, 64, 5, 2)
 MOSAIC_SHAPE_K_EQ_E = (8, 128, 64, 3, 3)
 TILES = {"triton": MoeMlpTiles(
     gate_up=KernelTiles(16, 32, 16, 4, 2), down=KernelTiles(16, 16, 16, 4, 2),
-    backward=TritonTiles(block_m=16, block_n=32, block_k=16, block_m_tgmm=16,
-                         block_k_tgmm=32, block_n_tgmm=16)),
+    backward=TritonTiles(block_m=16, block_n=32, block_k=16, tgmm_block_m=16,
+                         tgmm_block_k=32, tgmm_block_n=16)),
     # 128 gathered rows per tile (more than T*K), a one-step down pipeline
     # and down block_n = 64 asked for (the epilogue needs 128: it must be raised)
     "mosaic_gpu": MosaicMoeMlpTiles(
@@ -79,7 +80,7 @@ def test_mosaic_gpu_gate_up_alone_matches_and_has_no_races():
     order, sizes, nv = routings(T, E, K)["num_valid_below_sum"]
     h = mosaic_gpu.gate_up(x, order, nv, sizes, gate, up, activation="swiglu", top_k=K,
                            tiles=GateUpTiles(block_n=128), interpret=MOSAIC_INTERPRET)
-    assert not mg.races_found()
+    assert not mgpu.races_found()
     rows = permute_reference.permute(x, order, nv, top_k=K)
     pre = [ragged_dot_reference.ragged_dot(rows, w, sizes,
                                             preferred_element_type=jnp.float32)
@@ -104,7 +105,7 @@ def test_mosaic_gpu_down_combine_alone_matches_numpy():
     w = rng.uniform(0.1, 1.0, (T, K)).astype(np.float32)
     y = mosaic_gpu.down_combine(h, down, order, jnp.asarray(w), nv, sizes,
                                 interpret=MOSAIC_INTERPRET)
-    assert not mg.races_found()
+    assert not mgpu.races_found()
     h32, down32 = np.asarray(h, np.float32), np.asarray(down, np.float32)
     expert = np.repeat(np.arange(E), sizes)
     want = np.zeros((T, D), np.float32)
@@ -117,7 +118,7 @@ def test_mosaic_gpu_down_combine_alone_matches_numpy():
         jnp.stack([h, 2 * h]), down, order, jnp.asarray(w), nv, sizes)
     # x2 is exact in floating point: the batch's second problem gives exactly 2 y
     np.testing.assert_array_equal(np.asarray(batched), np.stack([y, 2 * y]))
-    assert not mg.races_found()
+    assert not mgpu.races_found()
 
 
 def layout(keys: np.ndarray, num_experts: int, num_valid: int | None = None):
@@ -381,10 +382,10 @@ def test_mosaic_down_combine_budgets_its_tile_beside_the_pipeline():
     which no backend list falls back from); the pipeline gets shallower and lowers."""
     T, K, F, D, E = 512, 2, 512, 512, 8
     wide = mg.MosaicTiles(block_m=128, block_n=256, block_k=64, max_concurrent_steps=4)
-    fitted = mg._resolve_tiles(wide, T * K, F, D, E, jnp.bfloat16, jnp.float32,
+    fitted = mg.resolve_tiles(wide, T * K, F, D, E, jnp.bfloat16, jnp.float32,
                                out_tile_with_pipeline=True)
     assert fitted.block_n == 256 and fitted.max_concurrent_steps == 2
-    assert fitted.smem_bytes(2, 4, bwd=False, out_tile_with_pipeline=True) <= mg.SMEM_BYTES
+    assert fitted.smem_bytes(2, 4, tgmm=False, out_tile_with_pipeline=True) <= mgpu.SMEM_BYTES
     S = jax.ShapeDtypeStruct
     avals = (S((T * K, F), jnp.bfloat16), S((E, F, D), jnp.bfloat16), S((T * K,), jnp.int32),
              S((T, K), jnp.float32), S((), jnp.int32), S((E,), jnp.int32))

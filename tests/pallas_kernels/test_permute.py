@@ -19,12 +19,12 @@ from cuda_export import MOSAIC_INTERPRET, TRITON_CUDA, export_for_cuda
 from aristax import dispatch as dispatch_lib
 from aristax import routing as routing_lib
 from aristax.config import RouterConfig
+from aristax.pallas_kernels import mosaic_gpu_common as mgpu
 from aristax.pallas_kernels import combine, permute
 from aristax.pallas_kernels import route as route_op
 from aristax.pallas_kernels.permute import api, mosaic_gpu, reference
-from aristax.pallas_kernels.ragged_dot import mosaic_gpu as mg
 
-BACKENDS = sorted(api.PERMUTE)
+BACKENDS = sorted(api.BACKENDS)
 # (T, D, K, E, dtype): T*K and D are not multiples of the tiles (16/32 rows, 16..128 D);
 # "bf16_d128" is also a shape Mosaic GPU serves (D a multiple of 128 for its combine).
 SHAPES = {"f32": (11, 20, 3, 8, jnp.float32), "bf16": (9, 40, 2, 4, jnp.bfloat16),
@@ -67,7 +67,7 @@ def _data(T, D, K, dtype, seed=1):
 
 @functools.cache
 def _run(backend: str | None, top_k: int):
-    """jit: permute and combine through the API (backend=None: the plain reference with
+    """jit: permute and combine through the API (implementation=None: the plain reference with
     autodiff), with their vjps: (perm, dx, y, drows, dweights)."""
 
     def run(x, order, nv, rows, weights, ct_rows, dy):
@@ -95,8 +95,8 @@ def _close(a, b, dtype, msg=""):
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_matches_reference_and_gradients(backend, shape):
     T, D, K, E, dtype = SHAPES[shape]
-    if backend == "mosaic_gpu" and D % mosaic_gpu.ROW_ALIGN:
-        pytest.skip(f"Mosaic GPU combine needs D % {mosaic_gpu.ROW_ALIGN} == 0 (tested below)")
+    if backend == "mosaic_gpu" and D % mgpu.WARPGROUP_ROW:
+        pytest.skip(f"Mosaic GPU combine needs D % {mgpu.WARPGROUP_ROW} == 0 (tested below)")
     x, rows, weights, ct_rows, dy = _data(T, D, K, dtype)
     orders = _orders(T, K, E)
     if backend == "mosaic_gpu":
@@ -107,7 +107,7 @@ def test_matches_reference_and_gradients(backend, shape):
         args = (x, jnp.asarray(order), jnp.int32(nv), rows, weights, ct_rows, dy)
         got, want = _run(backend, K)(*args), _run(None, K)(*args)
         if backend == "mosaic_gpu":
-            assert not mg.races_found(), name
+            assert not mgpu.races_found(), name
         labels = ("rows", "dx", "y", "drows", "dweights")
         for label, a, b in zip(labels, got, want):
             assert a.dtype == b.dtype, (name, label, a.dtype, b.dtype)
@@ -129,13 +129,13 @@ def test_mosaic_gpu_kernels_have_no_races():
         "combine": lambda: mosaic_gpu.combine(rows, order, weights, nv, **run),
         "combine_bwd drows": lambda: mosaic_gpu._gather(
             dy, order, weights, nv, top_k=K, out_dtype=dtype, **run,
-            tiles=mosaic_gpu.GatherTiles.for_shape(D, mosaic_gpu.ROW_ALIGN)),
+            tiles=mosaic_gpu.GatherTiles.for_shape(D, mgpu.WARPGROUP_ROW)),
         "combine_bwd dweights": lambda: mosaic_gpu.combine_bwd(dy, rows, order, weights, nv,
                                                                **run),
     }
     for name, kernel in kernels.items():
         jax.block_until_ready(kernel())
-        assert not mg.races_found(), name
+        assert not mgpu.races_found(), name
 
 
 def numpy_permute_combine(x, order, nv, rows, weights):

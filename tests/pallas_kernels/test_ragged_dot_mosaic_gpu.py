@@ -18,11 +18,12 @@ from cuda_export import MOSAIC_INTERPRET
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from aristax.pallas_kernels import mosaic_gpu_common as mgpu
 from aristax.pallas_kernels.ragged_dot import mosaic_gpu as mg
 
 TILES = mg.MosaicTiles(
     block_m=64, block_n=64, block_k=64, max_concurrent_steps=2,
-    bwd_block_m=64, bwd_block_k=64, bwd_block_n=64, bwd_max_concurrent_steps=2,
+    tgmm_block_m=64, tgmm_block_k=64, tgmm_block_n=64, tgmm_max_concurrent_steps=2,
 )
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2, jnp.float16: 2e-3}
 
@@ -31,7 +32,7 @@ TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2, jnp.float16: 2e-3}
 def _fresh_interpreter():
     """A kernel that raised leaves the interpreter's global state set: clear it."""
     yield
-    mg.reset_interpret_state()
+    mgpu.reset_interpret_state()
 
 
 def _inputs(seed, m, k, n, g, dtype, rhs_rows=None):
@@ -93,7 +94,7 @@ def test_gmm_interpret_matches_ragged_dot(case, in_dtype, out_dtype):
     gs = jnp.asarray(sizes, jnp.int32)
     out = mg.gmm(lhs, rhs, gs, out_dtype=out_dtype, tiles=TILES, interpret=MOSAIC_INTERPRET)
     out = np.asarray(jax.block_until_ready(out).astype(jnp.float32))
-    assert not mg.races_found()
+    assert not mgpu.races_found()
     ref = jax.lax.ragged_dot(lhs, rhs, gs, preferred_element_type=jnp.float32)
     assert out.shape == (m, n)
     _assert_close(out, ref.astype(out_dtype).astype(jnp.float32), out_dtype)
@@ -114,7 +115,7 @@ def test_tgmm_interpret_matches_numpy_loop(sizes, in_dtype, out_dtype):
     gs = jnp.asarray(sizes, jnp.int32)
     out = mg.tgmm(lhs, dout, gs, out_dtype=out_dtype, tiles=TILES, interpret=MOSAIC_INTERPRET)
     out = np.asarray(jax.block_until_ready(out).astype(jnp.float32))
-    assert not mg.races_found()
+    assert not mgpu.races_found()
     assert out.shape == (g, k, n)
     ref = jnp.asarray(_tgmm_numpy(lhs, dout, sizes), jnp.float32)
     _assert_close(out, np.asarray(ref.astype(out_dtype).astype(jnp.float32)), out_dtype)
@@ -142,9 +143,9 @@ def test_race_detector_is_live():
                       plgpu.Barrier(num_arrivals=1))
 
     kernel = plgpu.kernel(racy, out_type=jax.ShapeDtypeStruct((64, 64), jnp.float32),
-                          grid=(1,), grid_names=("sm",), interpret=mg.interpret_params())
+                          grid=(1,), grid_names=("sm",), interpret=mgpu.interpret_params())
     jax.block_until_ready(kernel(jnp.ones((64, 64), jnp.float32)))
-    assert mg.races_found()
+    assert mgpu.races_found()
 
 
 @pytest.mark.parametrize(
@@ -206,16 +207,16 @@ def test_tiles_are_fitted_to_the_shape():
     to 64, pipelines too deep for SMEM get shallower; impossible tiles are errors."""
     bf16, f32 = jnp.bfloat16, jnp.float32
     t = mg.MosaicTiles(block_n=128, block_k=128, max_concurrent_steps=3,
-                       bwd_block_k=128, bwd_block_n=128)
+                       tgmm_block_k=128, tgmm_block_n=128)
     fitted = t.fit(192, 320, bf16, f32)
     assert (fitted.block_k, fitted.block_n) == (64, 64)
-    assert (fitted.bwd_block_k, fitted.bwd_block_n) == (64, 64)
+    assert (fitted.tgmm_block_k, fitted.tgmm_block_n) == (64, 64)
     assert t.fit(256, 512, bf16, f32) == t
     big = mg.MosaicTiles(block_m=128, block_n=256, block_k=128, max_concurrent_steps=4)
-    assert big.smem_bytes(2, 4, bwd=False) > mg.SMEM_BYTES
+    assert big.smem_bytes(2, 4, tgmm=False) > mgpu.SMEM_BYTES
     shallower = big.fit(512, 512, bf16, f32)
     assert shallower.max_concurrent_steps == 2
-    assert shallower.smem_bytes(2, 4, bwd=False) <= mg.SMEM_BYTES
+    assert shallower.smem_bytes(2, 4, tgmm=False) <= mgpu.SMEM_BYTES
     with pytest.raises(ValueError, match="SMEM"):
         mg.MosaicTiles(block_m=256, block_n=256, max_concurrent_steps=1).fit(
             512, 512, bf16, f32)
@@ -276,7 +277,7 @@ def test_lowers_for_cuda(op, m, k, n, g, in_dtype, out_dtype):
 
 def test_lowers_with_single_stage_pipeline():
     """max_concurrent_steps=1: no delayed release, each wgmma is waited for."""
-    tiles = mg.MosaicTiles(max_concurrent_steps=1, bwd_max_concurrent_steps=1)
+    tiles = mg.MosaicTiles(max_concurrent_steps=1, tgmm_max_concurrent_steps=1)
     args = (_sds((256, 128), jnp.bfloat16), _sds((3, 128, 128), jnp.bfloat16),
             _sds((3,), jnp.int32))
     f = lambda a, b, s: mg.gmm(a, b, s, out_dtype=jnp.float32, tiles=tiles)  # noqa: E731
@@ -316,18 +317,19 @@ def test_imports_and_lowers_without_the_private_interpreter():
 import sys
 sys.modules["jax._src.pallas.mosaic_gpu.interpret.gpu_callbacks"] = None
 import jax, jax.numpy as jnp
+from aristax.pallas_kernels import mosaic_gpu_common as mgpu
 from aristax.pallas_kernels.ragged_dot import mosaic_gpu as mg
 S = jax.ShapeDtypeStruct
 args = (S((64, 128), jnp.bfloat16), S((2, 128, 128), jnp.bfloat16), S((2,), jnp.int32))
 text = jax.export.export(jax.jit(mg.gmm), platforms=["cuda"])(*args).mlir_module()
 assert "custom_call @mosaic_gpu" in text
 try:
-    mg.interpret_params()
+    mgpu.interpret_params()
 except NotImplementedError as err:
     assert "interpret mode needs" in str(err), err
 else:
     raise AssertionError("interpret_params did not refuse")
-assert not mg.races_found()
+assert not mgpu.races_found()
 print("ok")
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
