@@ -25,7 +25,7 @@ ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid", "expert_choice")
 ACTIVATIONS = ("swiglu", "geglu", "gelu")
 DROP_POLICIES = ("position", "probability")
 # Expert-parallel token exchanges (``aristax.parallel.collectives``).
-EXCHANGE_BACKENDS = ("padded", "ragged", "ragged_emulated", "scheduled", "hierarchical")
+EXCHANGES = ("padded", "ragged", "ragged_emulated", "scheduled", "hierarchical")
 
 
 def _fail(field: str, value: Any, allowed: str, owner: str = "MoEConfig") -> None:
@@ -61,24 +61,25 @@ def _plain_scalars(cfg: Any, owner: str, bool_fields: Sequence[str]) -> None:
 
 def _check_routing(cfg: Any, owner: str) -> None:
     """The checks ``MoEConfig`` and ``RouterConfig`` share (their routing fields)."""
-    E, K, G = cfg.num_experts, cfg.top_k, cfg.num_groups
+    E, K, num_groups = cfg.num_experts, cfg.top_k, cfg.num_groups
     if not _is_int(E) or E < 1:
         _fail("num_experts", E, "must be a positive integer", owner)
     if not _is_int(K) or not 1 <= K <= E:
         _fail("top_k", K, f"must be an integer in [1, num_experts={E}]", owner)
     if cfg.router not in ROUTERS:
         _fail("router", cfg.router, f"choose one of {ROUTERS}", owner)
-    if not _is_int(G) or G < 1 or E % G:
-        _fail("num_groups", G, f"must be a positive integer dividing num_experts={E}", owner)
-    if not _is_int(cfg.topk_groups) or not 1 <= cfg.topk_groups <= G:
-        _fail("topk_groups", cfg.topk_groups, f"must be an integer in [1, num_groups={G}]",
-              owner)
-    if G > 1 and K > cfg.topk_groups * (E // G):
+    if not _is_int(num_groups) or num_groups < 1 or E % num_groups:
+        _fail("num_groups", num_groups,
+              f"must be a positive integer dividing num_experts={E}", owner)
+    if not _is_int(cfg.topk_groups) or not 1 <= cfg.topk_groups <= num_groups:
+        _fail("topk_groups", cfg.topk_groups,
+              f"must be an integer in [1, num_groups={num_groups}]", owner)
+    if num_groups > 1 and K > cfg.topk_groups * (E // num_groups):
         _fail("top_k", K, f"must be <= topk_groups * experts per group = "
-              f"{cfg.topk_groups * (E // G)} with group-limited routing", owner)
-    if G > 1 and cfg.router == "expert_choice":
-        _fail("num_groups", G, "group-limited routing needs a token-choice router; use 1",
-              owner)
+              f"{cfg.topk_groups * (E // num_groups)} with group-limited routing", owner)
+    if num_groups > 1 and cfg.router == "expert_choice":
+        _fail("num_groups", num_groups,
+              "group-limited routing needs a token-choice router; use 1", owner)
     scale = cfg.routed_scaling_factor
     if not _is_finite_positive(scale):
         _fail("routed_scaling_factor", scale, "must be a finite number > 0", owner)
@@ -168,7 +169,7 @@ class MoEConfig:
         ``bias += rate * sign(mean_load - load)``; the optimizer never sees it.
       capacity_factor: None = dropless. Otherwise C = ceil(capacity_factor * T * K / E)
         assignments per expert; the rest are dropped, counted and reported.
-      drop_policy: which assignments keep their slot when an expert overflows:
+      drop_policy: which assignments keep their place (row) when an expert overflows:
         "position" (top-1 choices of all tokens first, then top-2, ..., in token order;
         GShard) or "probability" (the same rounds with tokens ordered by their highest
         routing weight; V-MoE's batch prioritized routing).
@@ -202,8 +203,8 @@ class MoEConfig:
         plan's count when the layer carries out a plan, else 1 (no chunking). The
         ``MoE`` layer caps it at one chunk per token of each shard (a short batch,
         e.g. one decode token, runs with fewer chunks).
-      exchange_backend: expert-parallel token exchange ("padded", "ragged", ...; see
-        ``EXCHANGE_BACKENDS``); None picks it from the platform.
+      exchange: expert-parallel token exchange, the all-to-all strategy ("padded",
+        "ragged", ...; see ``EXCHANGES``); None picks it from the platform.
     """
 
     num_experts: int
@@ -230,7 +231,7 @@ class MoEConfig:
     implementation: str | Sequence[str] | None = None
     debug_checks: bool = False
     num_chunks: int | None = None
-    exchange_backend: str | None = None
+    exchange: str | None = None
 
     def __post_init__(self):
         _plain_scalars(self, "MoEConfig", ("normalize_weights", "debug_checks"))
@@ -279,9 +280,9 @@ class MoEConfig:
         if self.num_chunks is not None and (not _is_int(self.num_chunks) or self.num_chunks < 1):
             _fail("num_chunks", self.num_chunks,
                   "must be None (the plan's count, else 1) or a positive integer (1 = no chunking)")
-        if self.exchange_backend is not None and self.exchange_backend not in EXCHANGE_BACKENDS:
-            _fail("exchange_backend", self.exchange_backend,
-                  f"use None (chosen from the platform) or one of {EXCHANGE_BACKENDS}")
+        if self.exchange is not None and self.exchange not in EXCHANGES:
+            _fail("exchange", self.exchange,
+                  f"use None (chosen from the platform) or one of {EXCHANGES}")
         _check_implementation(self.implementation)
         if isinstance(self.implementation, Sequence) and not isinstance(self.implementation, str):
             # a list (from a YAML config, say) as a tuple: the config must stay hashable
@@ -327,6 +328,6 @@ def accumulation_dtype(*dtypes) -> jnp.dtype:
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, factor: float) -> int:
     """C = ceil(factor * T * K / E) (GShard), at least 1, with the factor taken as the
     decimal it is written as: in floats 1.1 * 100 / 2 is 55.00000000000001, whose
-    ceiling would give one slot too many."""
+    ceiling would give one place too many."""
     exact = Fraction(repr(float(factor))) * num_tokens * top_k / num_experts
     return max(1, math.ceil(exact))

@@ -1,11 +1,13 @@
 """Dispatch and combine: token order <-> expert order.
 
-Letters: T tokens, D model dim, E experts, K slots per token, C capacity, M rows in
-expert order (M = T*K dropless, M = E*C with capacity).
+Letters: T tokens, D model dim, E experts, K experts per token, C capacity, M rows in
+expert order (M = T*K dropless, M = E*C with capacity). An assignment (t, k) is token
+t's k-th expert choice, flat index t*K + k; a row is a place in the expert-ordered
+layout (``aristax.parallel`` calls the experts' storage places "slots").
 
 Two layouts, one ``Dispatch`` pytree:
   * dropless: a stable sort of the T*K assignments by expert; rows [T*K, D], experts
-    see ``group_sizes`` rows each, unassigned slots sort to the end (zero rows).
+    see ``group_sizes`` rows each, unassigned assignments sort to the end (zero rows).
   * capacity: rows [E*C, D] = [E, C, D] flattened; expert e owns rows e*C..e*C+C-1;
     assignments beyond C per expert are dropped, and counted.
 """
@@ -26,19 +28,21 @@ class Dispatch:
     """How tokens are laid out for the experts, and back.
 
     Attributes:
-      row_slot: int32[M] flat slot t*K + k that feeds each row (0 on padding rows).
-        Dropless it is a permutation of the T*K slots, the kernels' ``sort_order``.
+      sort_order: int32[M] the flat assignment t*K + k that feeds each row (0 on
+        padding rows). Dropless it is a permutation of the T*K assignments, exactly
+        the kernels' ``sort_order`` (``pallas_kernels.route``/``permute``).
       row_valid: bool[M] row holds a token (False: padding, zero row).
-      slot: int32[T, K] row that holds each slot's output (meaningless where not kept).
-      kept: bool[T, K] slot is processed by an expert (routed and not dropped).
+      row_of: int32[T, K] the row that holds each assignment (its output's place;
+        meaningless where not kept). Dropless it is the inverse of ``sort_order``.
+      kept: bool[T, K] assignment is processed by an expert (routed and not dropped).
       group_sizes: int32[E] rows per expert (dropless: its load; capacity: C).
-      num_routed: int32[] slots routed by the router.
-      num_dropped: int32[] routed slots dropped for lack of capacity.
+      num_routed: int32[] assignments routed by the router.
+      num_dropped: int32[] routed assignments dropped for lack of capacity.
     """
 
-    row_slot: jax.Array
+    sort_order: jax.Array
     row_valid: jax.Array
-    slot: jax.Array
+    row_of: jax.Array
     kept: jax.Array
     group_sizes: jax.Array
     num_routed: jax.Array
@@ -46,7 +50,7 @@ class Dispatch:
 
 
 def _flat_expert_ids(routing: Routing) -> jax.Array:
-    """int32[T*K] expert of each slot, E for unassigned slots (they sort last)."""
+    """int32[T*K] expert of each assignment, E for unassigned ones (they sort last)."""
     E = routing.num_experts
     return jnp.where(routing.mask, routing.expert_ids, E).reshape(-1)
 
@@ -56,14 +60,15 @@ def dropless_dispatch(routing: Routing) -> Dispatch:
     T, K = routing.expert_ids.shape
     E = routing.num_experts
     flat = _flat_expert_ids(routing)
-    order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # row -> flat slot
+    sort_order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # row -> assignment
     counts = jnp.bincount(flat, length=E + 1).astype(jnp.int32)
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(T * K, dtype=order.dtype))
+    row_of = jnp.zeros_like(sort_order).at[sort_order].set(
+        jnp.arange(T * K, dtype=sort_order.dtype))
     num_routed = jnp.sum(counts[:E], dtype=jnp.int32)
     return Dispatch(
-        row_slot=order,
+        sort_order=sort_order,
         row_valid=jnp.arange(T * K, dtype=jnp.int32) < num_routed,
-        slot=inverse.reshape(T, K),
+        row_of=row_of.reshape(T, K),
         kept=routing.mask,
         group_sizes=counts[:E],
         num_routed=num_routed,
@@ -80,7 +85,7 @@ def align_groups(dispatch: Dispatch, multiple: int) -> Dispatch:
     (``pallas_kernels.ragged_dot.api.row_alignment``)."""
     if multiple == 1:
         return dispatch
-    M, E = dispatch.row_slot.shape[0], dispatch.group_sizes.shape[0]
+    M, E = dispatch.sort_order.shape[0], dispatch.group_sizes.shape[0]
     rows = -(-(M + E * (multiple - 1)) // multiple) * multiple
     sizes = dispatch.group_sizes
     padded = (sizes + multiple - 1) // multiple * multiple
@@ -90,14 +95,16 @@ def align_groups(dispatch: Dispatch, multiple: int) -> Dispatch:
     moved = (jnp.cumsum(padded, dtype=jnp.int32) - padded)[expert] + row - (ends - sizes)[expert]
     new_row = jnp.where(dispatch.row_valid, moved, rows).astype(jnp.int32)  # rows: dropped
     return dispatch.replace(
-        row_slot=jnp.zeros(rows, jnp.int32).at[new_row].set(dispatch.row_slot, mode="drop"),
+        sort_order=jnp.zeros(rows, jnp.int32).at[new_row].set(dispatch.sort_order,
+                                                              mode="drop"),
         row_valid=jnp.zeros(rows, bool).at[new_row].set(True, mode="drop"),
-        slot=jnp.take(new_row, dispatch.slot, mode="clip"),
+        row_of=jnp.take(new_row, dispatch.row_of, mode="clip"),
         group_sizes=padded.astype(jnp.int32))
 
 
 def _priority_order(routing: Routing, policy: str) -> jax.Array:
-    """int32[T*K] flat slots from most to least entitled to a place in its expert."""
+    """int32[T*K] flat assignments from most to least entitled to a place in its
+    expert."""
     T, K = routing.expert_ids.shape
     if policy == "position":  # all top-1 choices in token order, then top-2, ...
         return jnp.arange(T * K, dtype=jnp.int32).reshape(T, K).T.reshape(-1)
@@ -120,21 +127,21 @@ def capacity_dispatch(routing: Routing, capacity: int, policy: str = "position")
     flat = _flat_expert_ids(routing)
     prio = _priority_order(routing, policy)
     by_expert = jnp.argsort(flat[prio], stable=True)
-    slot_in_expert_order = prio[by_expert]  # flat slots sorted by (expert, priority)
+    by_priority = prio[by_expert]  # flat assignments sorted by (expert, priority)
     counts = jnp.bincount(flat, length=E + 1).astype(jnp.int32)
     starts = jnp.cumsum(counts) - counts
-    place_sorted = jnp.arange(T * K, dtype=jnp.int32) - starts[flat[slot_in_expert_order]]
-    place = jnp.zeros(T * K, jnp.int32).at[slot_in_expert_order].set(place_sorted)
+    place_sorted = jnp.arange(T * K, dtype=jnp.int32) - starts[flat[by_priority]]
+    place = jnp.zeros(T * K, jnp.int32).at[by_priority].set(place_sorted)
     kept = (flat < E) & (place < C)
-    slot = jnp.where(kept, flat * C + place, E * C)  # E*C: out of range, never read
-    row_slot = jnp.zeros(E * C, jnp.int32).at[slot].set(
+    row_of = jnp.where(kept, flat * C + place, E * C)  # E*C: out of range, never read
+    sort_order = jnp.zeros(E * C, jnp.int32).at[row_of].set(
         jnp.arange(T * K, dtype=jnp.int32), mode="drop")
-    row_valid = jnp.zeros(E * C, bool).at[slot].set(True, mode="drop")
+    row_valid = jnp.zeros(E * C, bool).at[row_of].set(True, mode="drop")
     num_routed = jnp.sum(counts[:E], dtype=jnp.int32)
     return Dispatch(
-        row_slot=row_slot,
+        sort_order=sort_order,
         row_valid=row_valid,
-        slot=slot.reshape(T, K).astype(jnp.int32),
+        row_of=row_of.reshape(T, K).astype(jnp.int32),
         kept=kept.reshape(T, K),
         group_sizes=jnp.full((E,), C, jnp.int32),
         num_routed=num_routed,
@@ -145,28 +152,30 @@ def capacity_dispatch(routing: Routing, capacity: int, policy: str = "position")
 def permute(x: jax.Array, dispatch: Dispatch) -> jax.Array:
     """Gather tokens into expert order: x[T, D] -> rows[M, D] (padding rows are 0).
 
-    Backward: dx[t] = sum of drows over t's kept slots, gathered through ``slot``
-    (rows and kept slots are one to one): no scatter-add, which XLA:CPU runs slowly.
+    Backward: dx[t] = sum of drows over t's kept assignments, gathered through
+    ``row_of`` (rows and kept assignments are one to one): no scatter-add, which
+    XLA:CPU runs slowly.
     Inside ``shard_map`` the operands are cast to vary alike first (``vary_alike``), so
     the ``custom_vjp``'s cotangents type like its inputs."""
-    return _permute(*vary_alike(x, dispatch.row_slot, dispatch.row_valid, dispatch.slot,
+    return _permute(*vary_alike(x, dispatch.sort_order, dispatch.row_valid, dispatch.row_of,
                                 dispatch.kept))
 
 
 @jax.custom_vjp
-def _permute(x, row_slot, row_valid, slot, kept):
-    rows = jnp.take(x, row_slot // slot.shape[1], axis=0, mode="clip")  # in range
+def _permute(x, sort_order, row_valid, row_of, kept):
+    rows = jnp.take(x, sort_order // row_of.shape[1], axis=0, mode="clip")  # in range
     return jnp.where(row_valid[:, None], rows, jnp.zeros((), x.dtype))
 
 
-def _permute_fwd(x, row_slot, row_valid, slot, kept):
-    return _permute(x, row_slot, row_valid, slot, kept), (row_slot, row_valid, slot, kept)
+def _permute_fwd(x, sort_order, row_valid, row_of, kept):
+    return (_permute(x, sort_order, row_valid, row_of, kept),
+            (sort_order, row_valid, row_of, kept))
 
 
 def _permute_bwd(residuals, drows):
-    row_slot, row_valid, slot, kept = residuals
-    ones = jnp.ones(slot.shape, accumulation_dtype(drows.dtype))
-    dx = _weighted_rows(drows, slot, kept, ones)
+    sort_order, row_valid, row_of, kept = residuals
+    ones = jnp.ones(row_of.shape, accumulation_dtype(drows.dtype))
+    dx = _weighted_rows(drows, row_of, kept, ones)
     return dx.astype(drows.dtype), None, None, None, None
 
 
@@ -176,49 +185,49 @@ _permute.defvjp(_permute_fwd, _permute_bwd)
 def combine(rows: jax.Array, dispatch: Dispatch, weights: jax.Array) -> jax.Array:
     """Weighted sum back into token order: rows[M, D], weights[T, K] -> y[T, D].
 
-    y[t] = sum_k weights[t, k] * rows[slot[t, k]] over kept slots, accumulated in at
+    y[t] = sum_k weights[t, k] * rows[row_of[t, k]] over kept assignments, accumulated in at
     least float32, elementwise (full precision on every platform, as the combine
     kernels compute it; a dot at JAX's default precision would be TF32 on a GPU).
-    Backward, by gathers (no scatter-add): drows[r] = weight of row r's slot *
-    dy[row r's token] on valid rows, dweights[t, k] = <dy[t], rows[slot[t, k]]>. (One
+    Backward, by gathers (no scatter-add): drows[r] = weight of row r's assignment *
+    dy[row r's token] on valid rows, dweights[t, k] = <dy[t], rows[row_of[t, k]]>. (One
     gather of dy into row order serving both costs more on XLA:CPU: it and drows are
     then materialised, [M, D] each, where these fuse into their consumers.)
     """
-    return _combine(*vary_alike(rows, weights, dispatch.row_slot, dispatch.row_valid,
-                                dispatch.slot, dispatch.kept))
+    return _combine(*vary_alike(rows, weights, dispatch.sort_order, dispatch.row_valid,
+                                dispatch.row_of, dispatch.kept))
 
 
-def _weighted_rows(rows, slot, kept, w) -> jax.Array:
-    """sum_k w[t, k] * rows[slot[t, k]] over kept slots: [T, D] in w's dtype. A sum of
-    K products per element (exact in float32 on every platform), which XLA fuses with
-    the gather instead of materialising [T, K, D] for a batched dot."""
-    out = jnp.zeros((slot.shape[0], rows.shape[1]), w.dtype)
-    for k in range(slot.shape[1]):  # clip: a slot not kept may point past the rows
-        picked = jnp.take(rows, slot[:, k], axis=0, mode="clip")
+def _weighted_rows(rows, row_of, kept, w) -> jax.Array:
+    """sum_k w[t, k] * rows[row_of[t, k]] over kept assignments: [T, D] in w's dtype.
+    A sum of K products per element (exact in float32 on every platform), which XLA
+    fuses with the gather instead of materialising [T, K, D] for a batched dot."""
+    out = jnp.zeros((row_of.shape[0], rows.shape[1]), w.dtype)
+    for k in range(row_of.shape[1]):  # clip: an assignment not kept may point past the rows
+        picked = jnp.take(rows, row_of[:, k], axis=0, mode="clip")
         out = out + jnp.where(kept[:, k, None], w[:, k, None] * picked.astype(w.dtype), 0.0)
     return out
 
 
 @jax.custom_vjp
-def _combine(rows, weights, row_slot, row_valid, slot, kept):
+def _combine(rows, weights, sort_order, row_valid, row_of, kept):
     acc = accumulation_dtype(rows.dtype, weights.dtype)
-    return _weighted_rows(rows, slot, kept, weights.astype(acc))
+    return _weighted_rows(rows, row_of, kept, weights.astype(acc))
 
 
-def _combine_fwd(rows, weights, row_slot, row_valid, slot, kept):
-    y = _combine(rows, weights, row_slot, row_valid, slot, kept)
-    return y, (rows, weights, row_slot, row_valid, slot, kept)
+def _combine_fwd(rows, weights, sort_order, row_valid, row_of, kept):
+    y = _combine(rows, weights, sort_order, row_valid, row_of, kept)
+    return y, (rows, weights, sort_order, row_valid, row_of, kept)
 
 
 def _combine_bwd(residuals, dy):
-    rows, weights, row_slot, row_valid, slot, kept = residuals
-    K = slot.shape[1]
-    w_row = jnp.take(jnp.where(kept, weights.astype(dy.dtype), 0.0).reshape(-1), row_slot,
+    rows, weights, sort_order, row_valid, row_of, kept = residuals
+    K = row_of.shape[1]
+    w_row = jnp.take(jnp.where(kept, weights.astype(dy.dtype), 0.0).reshape(-1), sort_order,
                      mode="clip")
     drows = jnp.where(row_valid[:, None],
-                      w_row[:, None] * jnp.take(dy, row_slot // K, axis=0, mode="clip"), 0.0)
-    dweights = jnp.stack([  # clip: a slot not kept may point past the rows
-        jnp.where(kept[:, k], jnp.sum(dy * jnp.take(rows, slot[:, k], axis=0, mode="clip"
+                      w_row[:, None] * jnp.take(dy, sort_order // K, axis=0, mode="clip"), 0.0)
+    dweights = jnp.stack([  # clip: an assignment not kept may point past the rows
+        jnp.where(kept[:, k], jnp.sum(dy * jnp.take(rows, row_of[:, k], axis=0, mode="clip"
                                                      ).astype(dy.dtype), axis=1),
                   0.0) for k in range(K)], axis=1)
     return drows.astype(rows.dtype), dweights.astype(weights.dtype), None, None, None, None

@@ -5,6 +5,7 @@ Letters: D model dim, F expert hidden dim, E experts, Fs shared hidden dim.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -75,6 +76,28 @@ def _value(param: nnx.Variable | None) -> jax.Array | None:
     return None if param is None else param[...]
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertParallelOptions:
+    """The ``expert_parallel_moe`` keyword arguments a plan sets
+    (``aristax.parallel.expert_parallel_options``), frozen and hashable: a ``MoE``
+    keeps them as static module state, in its ``nnx`` graph definition.
+
+    Attributes:
+      expert_perm: int[num_slots], the logical expert in each physical slot (None:
+        identity). expert_axis: "expert" or ("node", "local"). exchange: the
+        all-to-all strategy. num_chunks: the plan's Lancet chunk count.
+    """
+
+    expert_perm: tuple[int, ...] | None
+    expert_axis: str | tuple[str, ...]
+    exchange: str
+    num_chunks: int
+
+    def as_kwargs(self) -> dict:
+        """The options as ``expert_parallel_moe`` keyword arguments (a new dict)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
 class MoE(nnx.Module):
     """A Mixture-of-Experts layer: ``y, aux = moe(x)`` for x[..., D].
 
@@ -94,19 +117,19 @@ class MoE(nnx.Module):
 
     ``plan=`` (an ``aristax.planner.Plan``, with ``mesh=mesh_from_plan(plan, ...)``)
     carries out the plan: the experts are stored in the plan's physical order
-    ([P, ...] slots: placement, replicas, empty slots; ``logical_params()`` gives the
-    logical [E, ...] order for checkpoints), and the expert axis, exchange backend
-    and Lancet chunk count come from ``aristax.parallel.expert_parallel_options``
-    (``config.exchange_backend`` and a ``config.num_chunks`` that is set override them;
-    the plan's chunk count, made for the plan's batch, is capped at one chunk per
-    local token).
+    ([num_slots, ...] slots: placement, replicas, empty slots; ``logical_params()``
+    gives the logical [E, ...] order for checkpoints), and the expert axis, exchange
+    and Lancet chunk count come from ``aristax.parallel.expert_parallel_options``,
+    kept in ``ep_options`` (``config.exchange`` and a ``config.num_chunks`` that is
+    set override them; the plan's chunk count, made for the plan's batch, is capped at
+    one chunk per local token).
     """
 
     def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None,
                  plan=None):
         self.config = config
         self.mesh = mesh
-        self.ep_options = None
+        self.ep_options: ExpertParallelOptions | None = None
         self.router = Router(config, rngs=rngs)
         self.experts = Experts(config, rngs=rngs)
         self.shared_experts = (
@@ -128,10 +151,9 @@ class MoE(nnx.Module):
         if plan.num_experts != self.config.num_experts:
             raise ValueError(f"plan.num_experts={plan.num_experts} but MoEConfig.num_experts="
                              f"{self.config.num_experts}; plan for the model's E")
-        options = expert_parallel_options(plan, self.mesh)
-        self.ep_options = tuple(sorted(options.items()))
-        if options["expert_perm"] is not None:
-            physical = layout_experts(self.params(), options["expert_perm"])
+        self.ep_options = ExpertParallelOptions(**expert_parallel_options(plan, self.mesh))
+        if self.ep_options.expert_perm is not None:
+            physical = layout_experts(self.params(), self.ep_options.expert_perm)
             for name in ("gate_edf", "up_edf", "down_efd"):
                 variable = getattr(self.experts, name)
                 if variable is not None:
@@ -140,14 +162,13 @@ class MoE(nnx.Module):
     def logical_params(self) -> MoEParams:
         """``params()`` with experts in logical order [E, ...] (a replicated expert
         from its first slot): what checkpoints hold."""
-        options = dict(self.ep_options or ())
-        if options.get("expert_perm") is None:
+        if self.ep_options is None or self.ep_options.expert_perm is None:
             return self.params()
-        return layout_experts(self.params(), options["expert_perm"], inverse=True)
+        return layout_experts(self.params(), self.ep_options.expert_perm, inverse=True)
 
     def params(self) -> MoEParams:
         """The layer's weights as arrays, experts as stored ([E, ...], or a plan's
-        [P, ...] physical slots)."""
+        [num_slots, ...] physical slots)."""
         shared = self.shared_experts
         return MoEParams(
             router_de=self.router.weight_de[...],
@@ -196,7 +217,7 @@ class MoE(nnx.Module):
             local = tokens_per_shard(num_tokens, mesh)
             return functools.partial(expert_parallel_moe, mesh=mesh,
                                      num_chunks=max(1, min(chunks, local)),
-                                     backend=cfg.exchange_backend)
+                                     exchange=cfg.exchange)
         if chunks > 1:
             return functools.partial(chunked_moe, num_chunks=chunks)
         return moe
@@ -204,16 +225,16 @@ class MoE(nnx.Module):
     def plan_call_options(self, num_tokens: int) -> dict | None:
         """The ``expert_parallel_moe`` options a call on ``num_tokens`` tokens uses when
         the layer carries out a plan (None without one): the plan's, with
-        ``config.exchange_backend`` and a set ``config.num_chunks`` in their place;
+        ``config.exchange`` and a set ``config.num_chunks`` in their place;
         the chunk count (the plan's is made for its planned batch) is capped at one
         chunk per local token."""
         if self.ep_options is None:
             return None
         cfg = self.config
         mesh = self.mesh if self.mesh is not None else jax.sharding.get_abstract_mesh()
-        options = dict(self.ep_options)
-        if cfg.exchange_backend is not None:
-            options["backend"] = cfg.exchange_backend
+        options = self.ep_options.as_kwargs()
+        if cfg.exchange is not None:
+            options["exchange"] = cfg.exchange
         local = tokens_per_shard(num_tokens, mesh, options["expert_axis"])
         options["num_chunks"] = max(1, min(cfg.num_chunks or options["num_chunks"], local))
         return options

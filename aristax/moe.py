@@ -104,11 +104,11 @@ def check_inputs(
         raise TypeError(f"params must be MoEParams (e.g. MoE(...).params()), got "
                         f"{type(params).__name__}")
     D, F, E = config.d_model, config.d_ff, config.num_experts
-    P, Fs, gated = num_slots or E, config.shared_width, config.activation != "gelu"
+    slots, Fs, gated = num_slots or E, config.shared_width, config.activation != "gelu"
     shared = config.num_shared_experts > 0
     expected = {
-        "router_de": (D, E), "up_edf": (P, D, F), "down_efd": (P, F, D),
-        "gate_edf": (P, D, F) if gated else None,
+        "router_de": (D, E), "up_edf": (slots, D, F), "down_efd": (slots, F, D),
+        "gate_edf": (slots, D, F) if gated else None,
         "shared_up_df": (D, Fs) if shared else None,
         "shared_down_fd": (Fs, D) if shared else None,
         "shared_gate_df": (D, Fs) if shared and gated else None,
@@ -203,7 +203,7 @@ def moe(
 
 def _moe(x, params, config, bias, jitter_rng, seq_len):
     """``moe`` after its checks, on inputs with no Explicit mesh axes: ``layer_body``
-    with every routed slot's experts on this device."""
+    with every routed assignment's expert on this device."""
     def on_this_device(xc, routing, fused_dispatch):
         dispatch = fused_dispatch if fused_dispatch is not None else make_dispatch(routing,
                                                                                   config)
@@ -225,7 +225,7 @@ def router_input(x: jax.Array, config: MoEConfig, jitter_rng: jax.Array | None) 
 
 # (xc [T, D] in the compute dtype, Routing [T, K], the fused route kernel's dropless
 # Dispatch or None) -> (routed experts' y [T, D] in the accumulation dtype, int32[]
-# slots dropped for capacity, int32[] rows over an exchange buffer or None)
+# assignments dropped for capacity, int32[] rows over an exchange buffer or None)
 RoutedExperts = Callable[[jax.Array, routing_lib.Routing, dispatch_lib.Dispatch | None],
                          tuple[jax.Array, jax.Array, jax.Array | None]]
 
@@ -315,9 +315,9 @@ def fused_routing(
         logits=out.logits)
     num_routed = jnp.sum(out.counts, dtype=jnp.int32)
     dispatch = dispatch_lib.Dispatch(
-        row_slot=out.sort_order,
+        sort_order=out.sort_order,
         row_valid=jnp.arange(T * K, dtype=jnp.int32) < num_routed,
-        slot=inverse_order(out.sort_order).reshape(T, K), kept=routing.mask,
+        row_of=inverse_order(out.sort_order).reshape(T, K), kept=routing.mask,
         group_sizes=out.counts, num_routed=num_routed,
         num_dropped=jnp.zeros((), jnp.int32))
     return routing, dispatch
@@ -350,18 +350,18 @@ def routed_experts(
     if not dropless or config.implementation is None:
         if dropless:  # each expert's rows from a whole tile of the grouped GEMM's backend
             dispatch = dispatch_lib.align_groups(dispatch, ragged_dot_api.row_alignment(
-                dispatch.row_slot.shape[0], config.num_experts, xc.dtype))
+                dispatch.sort_order.shape[0], config.num_experts, xc.dtype))
         return dispatch_lib.combine(experts(dispatch_lib.permute(xc, dispatch)), dispatch,
                                     weights)
-    order = dispatch.row_slot
-    y = fused_experts(xc, order, weights, dispatch.group_sizes, dispatch.num_routed,
+    sort_order = dispatch.sort_order
+    y = fused_experts(xc, sort_order, weights, dispatch.group_sizes, dispatch.num_routed,
                       params, config)
     if y is not None:
         return y
     names = frontdoor.with_reference(config.implementation, permute_api.BACKENDS)
     kw = dict(num_valid=dispatch.num_routed, implementation=names)
-    rows = permute_api.permute(xc, order, top_k=weights.shape[1], **kw)
-    return permute_api.combine(experts(rows), order, weights, **kw)
+    rows = permute_api.permute(xc, sort_order, top_k=weights.shape[1], **kw)
+    return permute_api.combine(experts(rows), sort_order, weights, **kw)
 
 
 def fused_experts(
@@ -378,9 +378,10 @@ def fused_experts(
     (``moe_mlp.fused_backend``: never for None or "reference" first); callers then run
     the unfused path.
 
-    x: [T, D] compute dtype; sort_order: int32[T*K] flat slot of each row in expert
-    order; weights: [T, K]; group_sizes: int32[E]; num_valid: routed rows (rows past it
-    add nothing). Returns y [T, D] in the accumulation dtype, or None.
+    x: [T, D] compute dtype; sort_order: int32[T*K] flat assignment t*K + k of each row
+    in expert order (``Dispatch.sort_order``); weights: [T, K]; group_sizes: int32[E];
+    num_valid: routed rows (rows past it add nothing). Returns y [T, D] in the
+    accumulation dtype, or None.
     """
     fused = fused_backend(config.implementation, x, weights, params.up_edf)
     if fused is None:
@@ -405,8 +406,9 @@ def moe_aux(
     """The ``aux`` dict of ``moe`` (see there), the whole batch's statistics.
 
     Args:
-      routing: ``Routing`` of the Tl tokens here. num_dropped: int32[] routed slots
-        dropped here for lack of capacity. seq_len: S, or None for one sequence.
+      routing: ``Routing`` of the Tl tokens here. num_dropped: int32[] routed
+        assignments dropped here for lack of capacity. seq_len: S, or None for one
+        sequence.
       num_overflow, reduce, num_shards, token_offset: over token shards (expert
         parallelism): rows over an exchange buffer (dropped too, and reported as
         ``num_overflow``); the sum over shards (``jax.lax.psum``; ``same`` on one

@@ -1,8 +1,9 @@
 """Routing: router logits -> which experts each token visits, with what weight.
 
-Pure functions, no parameters. Letters: T tokens, E experts, K slots per token.
-Token-choice routers fill K = top_k slots per token. Expert choice fills K = E slots
-(slot e belongs to expert e) and marks the tokens each expert picked in ``mask``.
+Pure functions, no parameters. Letters: T tokens, E experts, K expert choices per
+token (an assignment (t, k) is token t's k-th choice). Token-choice routers fill
+K = top_k choices per token. Expert choice fills K = E choices (choice e belongs to
+expert e) and marks the tokens each expert picked in ``mask``.
 
 Losses:
   * ``load_balancing_loss``: Switch Transformer eq. 4 / GShard, in Hugging Face
@@ -28,9 +29,9 @@ class Routing:
     """Where each token goes.
 
     Attributes:
-      expert_ids: int32[T, K] expert of each slot.
-      weights: float32[T, K] combine weight of each slot (0 where ``mask`` is False).
-      mask: bool[T, K] slot is assigned (False: not picked by expert choice, or the
+      expert_ids: int32[T, K] expert of each choice.
+      weights: float32[T, K] combine weight of each choice (0 where ``mask`` is False).
+      mask: bool[T, K] choice is assigned (False: not picked by expert choice, or the
         token's logits were not finite). Capacity drops are decided later, in
         ``aristax.dispatch``.
       probs: float32[T, E] router probabilities used by the balancing losses
@@ -98,11 +99,11 @@ def _limit_to_top_groups(select: jax.Array, num_groups: int, topk_groups: int) -
     T, E = select.shape
     grouped = select.reshape(T, num_groups, E // num_groups)
     best = jax.lax.top_k(grouped, min(2, E // num_groups))[0]
-    group_score = jnp.sum(best, axis=-1)  # [T, G]
+    group_score = jnp.sum(best, axis=-1)  # [T, num_groups]
     _, top_groups = jax.lax.top_k(group_score, topk_groups)  # [T, topk_groups]
     keep = jnp.any(
         top_groups[:, :, None] == jnp.arange(num_groups, dtype=jnp.int32)[None, None, :], axis=1
-    )  # [T, G]
+    )  # [T, num_groups]
     keep = jnp.repeat(keep, E // num_groups, axis=1)
     return jnp.where(keep, select, -jnp.inf)
 
@@ -113,7 +114,7 @@ def finite_rows(logits: jax.Array) -> jax.Array:
 
 
 def unchosen_tokens(routing: Routing) -> jax.Array:
-    """int32[]: tokens with finite logits that no slot serves (expert choice: chosen by
+    """int32[]: tokens with finite logits that no assignment serves (expert choice: chosen by
     no expert, so y = 0 there; always 0 for token choice, whose capacity drops are
     counted by ``aristax.dispatch``)."""
     served = jnp.any(routing.mask, axis=1)
@@ -164,7 +165,7 @@ def _expert_choice(
     probability for e, C = ceil(capacity * T * K / E) (at most T). Tokens with
     ``finite`` False rank below every other token.
 
-    Returns (ids[T,E], weights[T,E], mask[T,E], probs[T,E]); slot e is expert e.
+    Returns (ids[T,E], weights[T,E], mask[T,E], probs[T,E]); choice e is expert e.
     """
     T, E = logits.shape
     probs = jax.nn.softmax(logits, axis=-1)
@@ -189,7 +190,7 @@ def route(
         experts are selected but never the combine weights (DeepSeek-V3 eq. 16).
     Returns:
       ``Routing``. Tokens whose logits are not all finite get ``mask`` False in every
-      slot, weight 0 and probs 0, so they go nowhere and cannot disturb the others.
+      choice, weight 0 and probs 0, so they go nowhere and cannot disturb the others.
     Raises:
       ValueError: logits is not [T, E] or bias not [E], E = ``cfg.num_experts``.
     """
@@ -220,7 +221,7 @@ def load_balancing_loss(routing: Routing, row_weights: jax.Array | None = None, 
                         reduce=same) -> jax.Array:
     """Switch Transformer eq. 4: E * sum_e f_e * P_e.
 
-    f_e = (assignments to e) / T, counted over all K slots (so a perfectly balanced
+    f_e = (assignments to e) / T, counted over all K choices (so a perfectly balanced
     top-k router scores K, as in Hugging Face's ``load_balancing_loss_func``), and
     P_e = mean router probability of e. Gradients flow through P only.
 
@@ -236,8 +237,8 @@ def load_balancing_loss(routing: Routing, row_weights: jax.Array | None = None, 
         assigned = routing.expert_load().astype(dtype)
     else:
         flat = jnp.where(routing.mask, routing.expert_ids, E).reshape(-1)
-        per_slot = jnp.broadcast_to(w[:, None], routing.mask.shape).reshape(-1)
-        assigned = jnp.bincount(flat, weights=per_slot, length=E + 1)[:E]
+        per_choice = jnp.broadcast_to(w[:, None], routing.mask.shape).reshape(-1)
+        assigned = jnp.bincount(flat, weights=per_choice, length=E + 1)[:E]
     total = reduce(jnp.sum(w))
     f = reduce(assigned) / total
     P = reduce(jnp.sum(routing.probs * w[:, None], axis=0)) / total

@@ -5,9 +5,9 @@ active (``with jax.set_mesh(mesh):``) or given explicitly (``MoE(..., mesh=mesh)
 """
 
 from aristax.parallel.collectives import (
-    EXCHANGE_BACKENDS,
-    default_backend,
+    EXCHANGES,
     complete_rounds,
+    default_exchange,
     exchange,
     hierarchical_all_to_all,
     ragged_all_to_all_emulated,
@@ -38,13 +38,13 @@ from aristax.parallel.overlap import chunk_bounds, chunked_moe, num_chunks_from_
 
 __all__ = [
     "EMPTY_SLOT",
-    "EXCHANGE_BACKENDS",
+    "EXCHANGES",
     "HIERARCHICAL_AXES",
     "MESH_AXES",
     "chunk_bounds",
     "chunked_moe",
     "complete_rounds",
-    "default_backend",
+    "default_exchange",
     "exchange",
     "expert_axes_of",
     "expert_parallel_moe",

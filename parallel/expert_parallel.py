@@ -1,15 +1,16 @@
 """The expert-parallel MoE layer: ``aristax.moe.moe`` over a ("data", "expert") mesh.
 
-Letters: T tokens (global), Tl = T / (R*G) tokens per device, D model dim, F expert
-hidden dim, E experts, El = E / G experts per device, K experts per token, C capacity,
-G expert-parallel group size ("expert" axis), R groups ("data" axis), B rows per
-(source, destination) exchange buffer.
+Letters: T tokens (global), Tl = T / (R*W) tokens per device, D model dim, F expert
+hidden dim, E experts, K experts per token, C capacity, W expert-parallel group size
+("expert" axis), R groups ("data" axis), B rows per (source, destination) exchange
+buffer. Experts are stored in ``num_slots`` physical slots (E without an
+``expert_perm``), El = num_slots / W slots per device.
 
 Per device, inside ``jax.shard_map`` (GShard / DeepSpeed-MoE expert parallelism):
 
   x[Tl, D] --route (aristax.moe.route_tokens, logical ids)--> ids -> physical slots
     --dispatch (aristax.dispatch, local)--> rows[M, D] sorted by slot = by owner
-    --exchange over "expert"--> [G*B, D] rows for my El experts from every source
+    --exchange over "expert"--> [W*B, D] rows for my El experts from every source
     --regroup by local expert, aristax.experts.expert_mlp--> back in source order
     --exchange back--> rows[M, D] --aristax.dispatch.combine--> y[Tl, D]
 
@@ -64,8 +65,8 @@ from aristax.experts import expert_mlp
 from aristax.moe import (MoEParams, check_inputs, check_tokens, fused_experts, layer_body,
                          make_dispatch, router_input)
 from aristax.pallas_kernels import frontdoor
-from aristax.parallel import overlap
-from aristax.parallel.collectives import check_backend, default_backend, exchange
+from aristax.parallel import collectives, overlap
+from aristax.parallel.collectives import check_exchange, default_exchange
 from aristax.parallel.mesh import (EMPTY_SLOT, expert_axes_of, expert_permutation,
                                    inverse_permutation)
 from aristax.sharding import DATA_AXIS, EXPERT_AXIS, PARAM_AXES
@@ -84,13 +85,14 @@ def send_layout(group_sizes: jax.Array, num_devices: int, buffer_size: int):
     """Per-destination blocks of rows sorted by physical slot, clipped to B rows.
 
     Args:
-      group_sizes: int32[E] rows per physical slot (slots e*El.. belong to device e//El).
+      group_sizes: int32[num_slots] rows per physical slot (slots s*El .. s*El + El - 1
+        belong to device s); num_devices: W; buffer_size: B.
     Returns:
-      input_offsets int32[G] (first row of each destination's block), send_sizes
-      int32[G] (<= B) and sent_counts int32[G, El] rows per (destination, local
+      input_offsets int32[W] (first row of each destination's block), send_sizes
+      int32[W] (<= B) and sent_counts int32[W, El] rows per (destination, local
       expert) that fit in B.
     """
-    counts = group_sizes.reshape(num_devices, -1)  # [G, El]
+    counts = group_sizes.reshape(num_devices, -1)  # [W, El]
     block = jnp.sum(counts, axis=1, dtype=jnp.int32)
     offsets = jnp.cumsum(block, dtype=jnp.int32) - block
     cum = jnp.minimum(jnp.cumsum(counts, axis=1, dtype=jnp.int32), buffer_size)
@@ -106,17 +108,17 @@ def rows_sent(input_offsets: jax.Array, send_sizes: jax.Array, num_rows: int) ->
 
 
 def regroup_order(recv_counts: jax.Array, buffer_size: int) -> tuple[jax.Array, jax.Array]:
-    """Order the received [G*B] rows by local expert (sources in order within one).
+    """Order the received [W*B] rows by local expert (sources in order within one).
 
     Args:
-      recv_counts: int32[G, El] rows from source i for local expert e (rows of one
+      recv_counts: int32[W, El] rows from source i for local expert e (rows of one
         source are contiguous from i*B and sorted by expert).
     Returns:
-      order int32[G*B] (received row of each expert-sorted row; padding last) and
+      order int32[W*B] (received row of each expert-sorted row; padding last) and
       group_sizes int32[El].
     """
     pos = jnp.arange(buffer_size, dtype=jnp.int32)
-    cum = jnp.cumsum(recv_counts, axis=1, dtype=jnp.int32)  # [G, El]
+    cum = jnp.cumsum(recv_counts, axis=1, dtype=jnp.int32)  # [W, El]
     local_expert = jnp.sum(pos[None, :, None] >= cum[:, None, :], axis=-1, dtype=jnp.int32)
     order = jnp.argsort(local_expert.reshape(-1), stable=True).astype(jnp.int32)
     return order, jnp.sum(recv_counts, axis=0, dtype=jnp.int32)
@@ -124,10 +126,10 @@ def regroup_order(recv_counts: jax.Array, buffer_size: int) -> tuple[jax.Array, 
 
 def local_experts(recv: jax.Array, recv_counts: jax.Array, params: MoEParams, config: MoEConfig,
                   buffer_size: int) -> jax.Array:
-    """Run this device's El experts on the received rows: [G*B, D] -> [G*B, D] (acc dtype),
+    """Run this device's El experts on the received rows: [W*B, D] -> [W*B, D] (acc dtype),
     each output row in its received place (padding rows give 0).
 
-    The received rows are tokens with one slot each (K = 1, weight 1), so the fused
+    The received rows are tokens with one assignment each (K = 1, weight 1), so the fused
     ``moe_mlp`` serves them when ``config.implementation`` picks it: its gather prologue
     reads them in expert order and its epilogue writes each back in place."""
     order, sizes = regroup_order(recv_counts, buffer_size)
@@ -142,32 +144,35 @@ def local_experts(recv: jax.Array, recv_counts: jax.Array, params: MoEParams, co
 
 
 # ------------------------------------------------------------------ the map body
-def _exchange_experts(xc, dispatch, weights, params, config, *, G, B, expert_axis, backend,
+def _exchange_experts(xc, dispatch, weights, params, config, *, W, B, expert_axis, exchange,
                       schedule=None):
     """Dispatch rows out, run the local experts, bring them back and combine.
 
     Args:
       xc: [Tc, D] tokens (compute dtype); dispatch: their ``Dispatch`` in physical slot
-        order; weights: [Tc, K] combine weights; B: rows per (source, destination).
+        order; weights: [Tc, K] combine weights; W: devices on ``expert_axis``; B: rows
+        per (source, destination); exchange, schedule: as ``collectives.exchange``.
     Returns:
       (y[Tc, D] routed output in the accumulation dtype, num_overflow int32[]).
     """
     rows = dispatch_lib.permute(xc, dispatch)  # [M, D] sorted by slot
     M = rows.shape[0]
-    offsets, sizes, sent_counts = send_layout(dispatch.group_sizes, G, B)
+    offsets, sizes, sent_counts = send_layout(dispatch.group_sizes, W, B)
     recv_counts = jax.lax.all_to_all(sent_counts, expert_axis, 0, 0, tiled=True)
-    trip = dict(axis_name=expert_axis, buffer_size=B, backend=backend, schedule=schedule,
-                recv_sizes=jnp.sum(recv_counts, axis=1, dtype=jnp.int32))
-    recv = exchange(rows, offsets, sizes, **trip)
+    exchange_kw = dict(axis_name=expert_axis, buffer_size=B, exchange=exchange,
+                       schedule=schedule,
+                       recv_sizes=jnp.sum(recv_counts, axis=1, dtype=jnp.int32))
+    recv = collectives.exchange(rows, offsets, sizes, **exchange_kw)
     out = local_experts(recv, recv_counts, params, config, B).astype(xc.dtype)
-    back = exchange(out, offsets, sizes, reverse=True, num_rows=M, **trip)
+    back = collectives.exchange(out, offsets, sizes, reverse=True, num_rows=M, **exchange_kw)
     sent = rows_sent(offsets, sizes, M)
     num_overflow = jnp.sum(dispatch.row_valid & ~sent, dtype=jnp.int32)
-    kept = dispatch.kept & jnp.take(sent, dispatch.slot, mode="fill", fill_value=False)
+    kept = dispatch.kept & jnp.take(sent, dispatch.row_of, mode="fill", fill_value=False)
     return dispatch_lib.combine(back, dispatch.replace(kept=kept), weights), num_overflow
 
 
-def _chunked_exchange(xc, routing, physical, config, chunk_buffer, num_chunks, **trip):
+def _chunked_exchange(xc, routing, physical, config, chunk_buffer, num_chunks,
+                      **exchange_experts_kw):
     """Lancet chunks (``aristax.parallel.overlap``) of one device's tokens: the shard's
     keep decisions once (on the logical ``routing``: capacity is per logical expert,
     whatever its replicas), then dispatch/exchange/experts/combine per chunk of the
@@ -182,7 +187,8 @@ def _chunked_exchange(xc, routing, physical, config, chunk_buffer, num_chunks, *
     for a, b in bounds:
         r = overlap.chunk_routing(physical, kept, a, b)
         y, over = _exchange_experts(xc[a:b], dispatch_lib.dropless_dispatch(r), r.weights,
-                                    B=chunk_buffer(Tl, b - a), config=config, **trip)
+                                    B=chunk_buffer(Tl, b - a), config=config,
+                                    **exchange_experts_kw)
         ys.append(y)
         num_overflow = num_overflow + over
     return jnp.concatenate(ys, axis=0), num_dropped, num_overflow
@@ -190,8 +196,8 @@ def _chunked_exchange(xc, routing, physical, config, chunk_buffer, num_chunks, *
 
 def replica_tables(phys_to_log: Sequence[int], num_experts: int) -> tuple[np.ndarray, np.ndarray]:
     """Slots of each logical expert: (slots int32[E, Rmax] padded with the first slot,
-    counts int32[E]) from the physical -> logical map int[P] (``EMPTY_SLOT`` slots
-    belong to no expert and receive no rows)."""
+    counts int32[E]) from the physical -> logical map int[num_slots] (``EMPTY_SLOT``
+    slots belong to no expert and receive no rows)."""
     phys_to_log = np.asarray(phys_to_log)
     where = [np.flatnonzero(phys_to_log == e) for e in range(num_experts)]
     width = max(len(w) for w in where)
@@ -203,8 +209,8 @@ def replicated_routing(routing, tables, axes, num_slots: int):
     """``routing`` with ids = physical slots, each logical expert's tokens split over its
     replicas round-robin by *global* token index (token t -> replica t % count[e]).
 
-    The result's ``logits``/``probs`` are zeros [Tl, P] so that ``num_experts`` = P
-    for the dispatch (only their shape is read; XLA drops them).
+    The result's ``logits``/``probs`` are zeros [Tl, num_slots] so that the dispatch's
+    ``num_experts`` is num_slots (only their shape is read; XLA drops them).
     """
     slots, counts = (jnp.asarray(a) for a in tables)
     Tl = routing.expert_ids.shape[0]
@@ -216,28 +222,31 @@ def replicated_routing(routing, tables, axes, num_slots: int):
                            probs=placeholder)
 
 
-def _local_moe(x, router_in, params, bias, *, config, slot_of, axes, expert_axis, G,
-               num_shards, buffer_size, backend, seq_len, num_chunks=1, chunk_buffer=None,
+def _local_moe(x, router_in, params, bias, *, config, slot_of_expert, axes, expert_axis, W,
+               num_shards, buffer_size, exchange, seq_len, num_chunks=1, chunk_buffer=None,
                schedule=None, replicas=None):
     """One device's share: x[Tl, D] -> (y[Tl, D], aux), the layer's ``layer_body``
     with the exchange as its routed experts and sums over the token shards. See the
-    module docstring."""
-    trip = dict(params=params, G=G, expert_axis=expert_axis, backend=backend,
-                schedule=schedule)
+    module docstring.
+
+    slot_of_expert: int[E], the physical slot of each logical expert (None: identity;
+    a layout with replicas or empty slots passes ``replicas``, ``replica_tables``)."""
+    exchange_experts_kw = dict(params=params, W=W, expert_axis=expert_axis,
+                               exchange=exchange, schedule=schedule)
 
     def exchanged(xc, routing, fused_dispatch):
         if replicas is not None:
-            physical = replicated_routing(routing, replicas, axes, params.up_edf.shape[0] * G)
+            physical = replicated_routing(routing, replicas, axes, params.up_edf.shape[0] * W)
         else:
-            physical = routing if slot_of is None else routing.replace(
-                expert_ids=jnp.asarray(slot_of)[routing.expert_ids])
+            physical = routing if slot_of_expert is None else routing.replace(
+                expert_ids=jnp.asarray(slot_of_expert)[routing.expert_ids])
         if num_chunks > 1 or replicas is not None:
             return _chunked_exchange(xc, routing, physical, config, chunk_buffer, num_chunks,
-                                     **trip)
-        dispatch = (fused_dispatch if fused_dispatch is not None and slot_of is None
+                                     **exchange_experts_kw)
+        dispatch = (fused_dispatch if fused_dispatch is not None and slot_of_expert is None
                     else make_dispatch(physical, config))
         y, num_overflow = _exchange_experts(xc, dispatch, routing.weights, config=config,
-                                            B=buffer_size(x.shape[0]), **trip)
+                                            B=buffer_size(x.shape[0]), **exchange_experts_kw)
         return y, dispatch.num_dropped, num_overflow
 
     return layer_body(x, router_in, params, config, bias, seq_len, exchanged,
@@ -257,7 +266,7 @@ def expert_parallel_options(plan, mesh, *, platform: str | None = None) -> dict[
     Returns:
       {"expert_perm": the plan's physical layout (None when it is the identity),
        "expert_axis": "expert" or ("node", "local"),
-       "backend": "hierarchical" when the groups span several nodes (Tutel 2DH: the
+       "exchange": "hierarchical" when the groups span several nodes (Tutel 2DH: the
          slow inter-node links carry one message per node pair), else the
          platform's ("ragged" on GPU/TPU, "padded" on CPU),
        "num_chunks": the Lancet partition count of the dispatch all-to-all
@@ -271,7 +280,8 @@ def expert_parallel_options(plan, mesh, *, platform: str | None = None) -> dict[
     return {
         "expert_perm": None if identity else tuple(int(p) for p in perm),
         "expert_axis": expert_axis,
-        "backend": "hierarchical" if isinstance(expert_axis, tuple) else default_backend(platform),
+        "exchange": ("hierarchical" if isinstance(expert_axis, tuple)
+                     else default_exchange(platform)),
         "num_chunks": chunks,
     }
 
@@ -340,7 +350,10 @@ def _resolve_mesh(mesh):
     return mesh
 
 
-def _validate(x, config, mesh, expert_axis, token_axes, slot_of, buffer_size):
+def _validate(x, config, mesh, expert_axis, token_axes, expert_perm, buffer_size):
+    """Check the mesh axes, the router, the implementation, ``expert_perm`` (the physical
+    -> logical map int[num_slots], or None) and ``buffer_size`` against each other
+    (``ValueError`` naming the argument). Returns (W, the number of token shards)."""
     expert_axes = _expert_axes(expert_axis)
     if any(a not in mesh.axis_names for a in expert_axes):
         raise ValueError(f"expert_axis={expert_axis!r} is not a mesh axis {mesh.axis_names}; "
@@ -363,23 +376,14 @@ def _validate(x, config, mesh, expert_axis, token_axes, slot_of, buffer_size):
             "run in interpret mode inside the expert-parallel shard_map (JAX's Mosaic GPU "
             "interpreter deadlocks when several devices of one process run it); on the CPU "
             "use implementation='triton' or None, and 'mosaic_gpu' on a GPU")
-    G = int(np.prod([mesh.shape[a] for a in expert_axes]))
-    E = config.num_experts
-    if slot_of is not None:  # expert_perm: the physical -> logical map
-        phys = np.asarray(slot_of).reshape(-1)
-        if phys.size and not np.issubdtype(phys.dtype, np.integer):
-            raise ValueError(f"expert_perm must hold integer expert ids (or EMPTY_SLOT="
-                             f"{EMPTY_SLOT}), got dtype {phys.dtype}")
-        held = sorted(set(phys.tolist()) - {EMPTY_SLOT})
-        if phys.size < E or phys.size % G or held != list(range(E)) or phys.min() < EMPTY_SLOT:
-            raise ValueError(
-                f"expert_perm must map P physical slots to logical experts (or EMPTY_SLOT="
-                f"{EMPTY_SLOT}), every one of range(num_experts={E}) at least once, with "
-                f"P >= E and P % G == 0 (G={G}); got {phys.size} slots holding {held}")
-        E = phys.size
-    if E % G:
-        raise ValueError(f"MoEConfig.num_experts={E} is not a multiple of the {expert_axis!r} "
-                         f"axis size G={G}; use E % G == 0 or a smaller expert axis")
+    W = int(np.prod([mesh.shape[a] for a in expert_axes]))
+    num_slots = config.num_experts
+    if expert_perm is not None:
+        num_slots = _check_expert_perm(expert_perm, config.num_experts, W)
+    if num_slots % W:
+        raise ValueError(f"MoEConfig.num_experts={num_slots} is not a multiple of the "
+                         f"{expert_axis!r} axis size W={W}; use E % W == 0 or a smaller "
+                         "expert axis")
     shards = int(np.prod([mesh.shape[a] for a in token_axes]))
     T = x.shape[0]
     if T % shards:
@@ -389,7 +393,37 @@ def _validate(x, config, mesh, expert_axis, token_axes, slot_of, buffer_size):
                                     or isinstance(buffer_size, bool) or buffer_size < 1):
         raise ValueError(f"buffer_size={buffer_size!r} must be a positive int or None "
                          "(worst case Tl*K)")
-    return G, shards
+    return W, shards
+
+
+def _check_expert_perm(expert_perm, num_experts: int, W: int) -> int:
+    """Check ``expert_perm``, the physical -> logical map, for E experts over W devices;
+    returns its num_slots."""
+    perm = np.asarray(expert_perm).reshape(-1)
+    if perm.size and not np.issubdtype(perm.dtype, np.integer):
+        raise ValueError(f"expert_perm must hold integer expert ids (or EMPTY_SLOT="
+                         f"{EMPTY_SLOT}), got dtype {perm.dtype}")
+    E, held = num_experts, sorted(set(perm.tolist()) - {EMPTY_SLOT})
+    if perm.size < E or perm.size % W or held != list(range(E)) or perm.min() < EMPTY_SLOT:
+        raise ValueError(
+            f"expert_perm must map num_slots physical slots to logical experts (or "
+            f"EMPTY_SLOT={EMPTY_SLOT}), every one of range(num_experts={E}) at least once, "
+            f"with num_slots >= E and num_slots % W == 0 (W={W}); got {perm.size} slots "
+            f"holding {held}")
+    return perm.size
+
+
+def _check_exchange(exchange, expert_axes, expert_axis, schedule) -> str:
+    """``exchange`` (None: the platform's), checked against the expert axes and
+    ``schedule``."""
+    exchange = check_exchange(exchange or default_exchange())
+    if exchange == "hierarchical" and len(expert_axes) != 2:
+        raise ValueError(f"exchange='hierarchical' needs expert_axis=(outer, inner), two mesh "
+                         f"axes such as ('node', 'local'), not {expert_axis!r}")
+    if schedule is not None and exchange != "scheduled":
+        raise ValueError(f"schedule= is used by exchange='scheduled' only, not {exchange!r}; "
+                         "pass exchange='scheduled' or drop schedule")
+    return exchange
 
 
 def expert_parallel_moe(
@@ -402,7 +436,7 @@ def expert_parallel_moe(
     jitter_rng: jax.Array | None = None,
     seq_len: int | None = None,
     expert_perm: Sequence[int] | None = None,
-    backend: str | None = None,
+    exchange: str | None = None,
     buffer_size: int | None = None,
     expert_axis: str | tuple[str, ...] = EXPERT_AXIS,
     token_axes: Sequence[str] | None = None,
@@ -412,32 +446,33 @@ def expert_parallel_moe(
     """``aristax.moe.moe`` with experts sharded over ``mesh`` (see the module docstring).
 
     Args:
-      x: [T, D] tokens; sharded over ``token_axes`` (T % (R*G) == 0).
-      params: ``MoEParams``; expert weights [E, ...] in *physical* order (logical
-        order when ``expert_perm`` is None; see ``aristax.parallel.layout_experts``),
-        sharded over ``expert_axis`` (each device holds E/G experts).
+      x: [T, D] tokens; sharded over ``token_axes`` (T % (R*W) == 0).
+      params: ``MoEParams``; expert weights [num_slots, ...] in *physical* order
+        (logical order [E, ...] when ``expert_perm`` is None; see
+        ``aristax.parallel.layout_experts``), sharded over ``expert_axis`` (each device
+        holds El = num_slots/W slots).
       config: ``MoEConfig`` (token-choice router; capacity is per source shard).
       mesh: a ``Mesh``/``AbstractMesh`` with ``expert_axis``; None: the mesh set by
         ``jax.set_mesh``.
       bias, jitter_rng, seq_len: as in ``aristax.moe.moe`` (T % seq_len == 0).
-      expert_perm: int[P], logical expert in each physical slot (``Plan.replicas``
-        style: device g holds slots g*P/G .. (g+1)*P/G - 1), e.g.
-        ``expert_permutation(plan)``; None: identity. P = E: a permutation.
+      expert_perm: int[num_slots], the logical expert in each physical slot
+        (``Plan.replicas`` style: device w holds slots w*El .. (w+1)*El - 1), e.g.
+        ``expert_permutation(plan)``; None: identity. num_slots = E: a permutation.
         ``EMPTY_SLOT`` (-1) entries pad devices that hold fewer experts.
-        P > E: replicated experts (every logical expert in >= 1 slot, P % G == 0;
-        params hold [P, ...] weights, ``layout_experts(params, expert_perm)``): each
-        logical expert's tokens are split over its replicas round-robin by global
-        token index; capacity stays per logical expert, so outputs, gradients (summed
-        over replicas) and aux equal the unreplicated layer's.
-      backend: one of ``EXCHANGE_BACKENDS``; None: "padded" on CPU, "ragged" on GPU/TPU;
-        "hierarchical": Tutel 2DH (intra-node then inter-node all_to_all) over an
-        ``expert_axis`` pair.
+        num_slots > E: replicated experts (every logical expert in >= 1 slot,
+        num_slots % W == 0; ``layout_experts(params, expert_perm)`` lays the weights
+        out): each logical expert's tokens are split over its replicas round-robin by
+        global token index; capacity stays per logical expert, so outputs, gradients
+        (summed over replicas) and aux equal the unreplicated layer's.
+      exchange: the all-to-all strategy, one of ``EXCHANGES``; None: "padded" on CPU,
+        "ragged" on GPU/TPU; "hierarchical": Tutel 2DH (intra-node then inter-node
+        all_to_all) over an ``expert_axis`` pair.
       buffer_size: B rows per (source, destination) in dropless mode; None: Tl*K
         (never overflows). Ignored in capacity mode (B = El*C).
       expert_axis: the expert-parallel mesh axis, or a tuple of axes taken together
         (node-major: experts are sharded over ``P(("node", "local"))``, device
-        (n, l) holds the El experts of expert-parallel rank n*Gl + l; G is the
-        product of their sizes). ``backend="hierarchical"`` needs a pair
+        (n, l) holds the El slots of expert-parallel rank n*Wl + l, Wl the inner size; W the
+        product of their sizes). ``exchange="hierarchical"`` needs a pair
         (outer = inter-node, inner = intra-node). token_axes: mesh axes the tokens
         are split over (default: "data" if present, then the expert axes).
       num_chunks: k Lancet chunks of each device's Tl tokens (1 <= k <= Tl; e.g.
@@ -447,7 +482,7 @@ def expert_parallel_moe(
         exactly, drops included (``aristax.parallel.overlap``). Per-chunk buffers:
         min(El*C, Tc*K) in capacity mode, min(buffer_size, Tc*K) dropless (a
         ``buffer_size`` smaller than Tc*K may overflow differently than unchunked).
-      schedule: ``backend="scheduled"`` only: ppermute rounds of (src, dst) pairs on
+      schedule: ``exchange="scheduled"`` only: ppermute rounds of (src, dst) pairs on
         the expert axis, e.g. ``rounds_from_schedule(plan.schedules[0])``.
     Returns:
       (y[T, D], aux) as ``moe``; aux also has num_overflow (int32[]). Under Explicit
@@ -455,37 +490,12 @@ def expert_parallel_moe(
       out sharded over ``token_axes``.
     """
     mesh = _resolve_mesh(mesh)
-    expert_axes = _expert_axes(expert_axis)
-    expert_axis = expert_axes[0] if len(expert_axes) == 1 else expert_axes
-    token_axes = _token_axes(mesh, expert_axis, token_axes)
-    check_tokens(x, config)
-    G, shards = _validate(x, config, mesh, expert_axis, token_axes, expert_perm, buffer_size)
-    num_slots = config.num_experts if expert_perm is None else len(expert_perm)
-    if params.up_edf.shape[0] != num_slots:
-        raise ValueError(f"params hold {params.up_edf.shape[0]} experts but the layout has "
-                         f"{num_slots} physical slots; lay the weights out with "
-                         "layout_experts(params, expert_perm)")
-    check_inputs(x, params, config, bias=bias, seq_len=seq_len, num_slots=num_slots)
-    backend = check_backend(backend or default_backend())
-    if backend == "hierarchical" and len(expert_axes) != 2:
-        raise ValueError(f"backend='hierarchical' needs expert_axis=(outer, inner), two mesh "
-                         f"axes such as ('node', 'local'), not {expert_axis!r}")
-    if schedule is not None and backend != "scheduled":
-        raise ValueError(f"schedule= is used by backend='scheduled' only, not {backend!r}; "
-                         "pass backend='scheduled' or drop schedule")
+    layout = _checked_layout(
+        x, params, config, mesh, bias=bias, seq_len=seq_len, expert_perm=expert_perm,
+        exchange=exchange, buffer_size=buffer_size, expert_axis=expert_axis,
+        token_axes=token_axes, num_chunks=num_chunks, schedule=schedule)
     x_spec = _explicit_spec(x, mesh)
     router_in = router_input(x, config, jitter_rng)
-    Tl = x.shape[0] // shards
-    if isinstance(num_chunks, (int, np.integer)) and num_chunks > Tl:
-        raise ValueError(f"num_chunks={num_chunks} exceeds the {Tl} tokens of each token "
-                         f"shard (T={x.shape[0]} over {shards} shards); use num_chunks <= {Tl}")
-    overlap.chunk_bounds(Tl, num_chunks)  # validates num_chunks early
-    layout = ShardedLayout(
-        config, mesh, None if expert_perm is None else tuple(map(int, np.ravel(expert_perm))),
-        token_axes, expert_axis, G, shards, None if buffer_size is None else int(buffer_size),
-        backend, seq_len, int(num_chunks),
-        None if schedule is None else tuple(tuple(map(tuple, r)) for r in schedule),
-        _param_specs(params, expert_axis))
     y, aux = _sharded_forward(x, router_in, params, bias, layout=layout)
     if x_spec is not None:  # Explicit axes: the output keeps the input's sharding
         row = P(x_spec[0] if len(x_spec) else None, None)
@@ -494,20 +504,51 @@ def expert_parallel_moe(
     return y, aux
 
 
+def _checked_layout(x, params, config, mesh, *, bias, seq_len, expert_perm, exchange,
+                    buffer_size, expert_axis, token_axes, num_chunks, schedule):
+    """``expert_parallel_moe``'s arguments checked (a ``ValueError`` naming the argument)
+    and gathered into its static ``ShardedLayout``."""
+    expert_axes = _expert_axes(expert_axis)
+    expert_axis = expert_axes[0] if len(expert_axes) == 1 else expert_axes
+    token_axes = _token_axes(mesh, expert_axis, token_axes)
+    check_tokens(x, config)
+    W, shards = _validate(x, config, mesh, expert_axis, token_axes, expert_perm, buffer_size)
+    num_slots = config.num_experts if expert_perm is None else len(expert_perm)
+    if params.up_edf.shape[0] != num_slots:
+        raise ValueError(f"params hold {params.up_edf.shape[0]} experts but the layout has "
+                         f"{num_slots} physical slots; lay the weights out with "
+                         "layout_experts(params, expert_perm)")
+    check_inputs(x, params, config, bias=bias, seq_len=seq_len, num_slots=num_slots)
+    exchange = _check_exchange(exchange, expert_axes, expert_axis, schedule)
+    Tl = x.shape[0] // shards
+    if isinstance(num_chunks, (int, np.integer)) and num_chunks > Tl:
+        raise ValueError(f"num_chunks={num_chunks} exceeds the {Tl} tokens of each token "
+                         f"shard (T={x.shape[0]} over {shards} shards); use num_chunks <= {Tl}")
+    overlap.chunk_bounds(Tl, num_chunks)  # validates num_chunks early
+    return ShardedLayout(
+        config, mesh, None if expert_perm is None else tuple(map(int, np.ravel(expert_perm))),
+        token_axes, expert_axis, W, shards, None if buffer_size is None else int(buffer_size),
+        exchange, seq_len, int(num_chunks),
+        None if schedule is None else tuple(tuple(map(tuple, r)) for r in schedule),
+        _param_specs(params, expert_axis))
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardedLayout:
     """What one compiled expert-parallel layer depends on besides its arrays, as
-    ``expert_parallel_moe`` checked it (hashable: ``jax.jit``'s static argument)."""
+    ``expert_parallel_moe`` checked it (hashable: ``jax.jit``'s static argument).
+    ``expert_perm``: the physical -> logical map int[num_slots] (None: identity);
+    W: devices on the expert axes; shards: token shards."""
 
     config: MoEConfig
     mesh: jax.sharding.Mesh
     expert_perm: tuple[int, ...] | None
     token_axes: Any
     expert_axis: Any
-    G: int
+    W: int
     shards: int
     buffer_size: int | None
-    backend: str
+    exchange: str
     seq_len: int | None
     num_chunks: int
     schedule: tuple | None
@@ -520,17 +561,17 @@ def _sharded_forward(x, router_in, params, bias, *, layout: ShardedLayout):
     layout static, so eager calls (a notebook) reuse one compilation per layout from
     ``jax.jit``'s own cache (a bare ``shard_map`` runs op by op eagerly: 10 s a call for
     a small layer on 8 CPU devices); inside a caller's ``jit`` it is inlined."""
-    (config, mesh, expert_perm, token_axes, expert_axis, G, shards, buffer_size, backend,
+    (config, mesh, expert_perm, token_axes, expert_axis, W, shards, buffer_size, exchange,
      seq_len, num_chunks, schedule, param_specs) = (getattr(layout, f.name)
-                                                    for f in dataclasses.fields(layout))
-    slot_of, replicas = None, None
+                                                     for f in dataclasses.fields(layout))
+    slot_of_expert, replicas = None, None  # logical -> physical; replicated layouts
     num_slots = config.num_experts if expert_perm is None else len(expert_perm)
     if expert_perm is not None:
         if num_slots == config.num_experts:
-            slot_of = inverse_permutation(expert_perm)
+            slot_of_expert = inverse_permutation(expert_perm)
         else:
             replicas = replica_tables(expert_perm, config.num_experts)
-    E_local = num_slots // G
+    E_local = num_slots // W
 
     def buffers(tl):
         if config.capacity(tl) is not None:
@@ -541,10 +582,10 @@ def _sharded_forward(x, router_in, params, bias, *, layout: ShardedLayout):
         return min(buffers(tl), tc * config.top_k)
 
     body = functools.partial(
-        _local_moe, config=config, slot_of=slot_of, axes=token_axes, expert_axis=expert_axis,
-        G=G, num_shards=shards, buffer_size=buffers, backend=backend, seq_len=seq_len,
-        num_chunks=num_chunks, chunk_buffer=chunk_buffers, replicas=replicas,
-        schedule=schedule)
+        _local_moe, config=config, slot_of_expert=slot_of_expert, axes=token_axes,
+        expert_axis=expert_axis, W=W, num_shards=shards, buffer_size=buffers,
+        exchange=exchange, seq_len=seq_len, num_chunks=num_chunks, chunk_buffer=chunk_buffers,
+        replicas=replicas, schedule=schedule)
     tok = P(token_axes, None)
     aux_specs = {k: P() for k in _SCALAR_AUX} | {"expert_load": P(), "router_logits": tok}
     # Pallas interpret mode (kernels named, on the CPU) fails JAX 0.10's varying-manual-

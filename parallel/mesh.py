@@ -1,16 +1,16 @@
 """Meshes and expert layouts from a planner ``Plan``.
 
-Letters: E experts, G expert-parallel group size (devices per group), R groups
-(data-parallel replicas of the expert layer), V = R * G devices.
+Letters: E experts, W expert-parallel group size (devices per group), R groups
+(data-parallel replicas of the expert layer), V = R * W devices.
 
-The mesh has axes ("data", "expert") of shape (R, G): row r is ``plan.groups[r]``,
+The mesh has axes ("data", "expert") of shape (R, W): row r is ``plan.groups[r]``,
 so every plan group is one expert-parallel group and "data" runs across groups. When
 the groups span N > 1 hosts the expert axis splits into ("node", "local") of shape
-(N, G/N), which the "hierarchical" exchange uses.
+(N, W/N), which the "hierarchical" exchange uses.
 Checkpoints keep experts in logical order; ``expert_permutation(plan)`` gives the
-physical order (P slots, P/G per device: the plan's placement, its replicas, and
-empty slots where a device holds fewer experts), and ``layout_experts`` applies it
-to the weights once, when they are laid out.
+physical order (num_slots slots, num_slots/W per device: the plan's placement, its
+replicas, and empty slots where a device holds fewer experts), and ``layout_experts``
+applies it to the weights once, when they are laid out.
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ def mesh_from_plan(
     topology=None,
     hierarchical: bool | None = None,
 ) -> Mesh:
-    """A ("data", "expert") mesh of shape (R, G) whose rows are the plan's groups, or a
-    ("data", "node", "local") mesh of shape (R, N, G/N) when the groups span N > 1
+    """A ("data", "expert") mesh of shape (R, W) whose rows are the plan's groups, or a
+    ("data", "node", "local") mesh of shape (R, N, W/N) when the groups span N > 1
     nodes (for the "hierarchical" exchange; ``expert_parallel_options`` picks it).
 
     Args:
@@ -128,14 +128,15 @@ def expert_axes_of(mesh) -> str | tuple[str, str]:
 
 
 def expert_permutation(plan, *, allow_replicas: bool = False) -> np.ndarray:
-    """int32[P]: ``perm[p]`` = logical expert in physical slot p, or ``EMPTY_SLOT`` (-1).
+    """int32[num_slots]: ``perm[s]`` = logical expert in physical slot s, or
+    ``EMPTY_SLOT`` (-1).
 
     Slots are the plan's ``replicas`` of group 0 concatenated in group order, each
     device padded to the most experts any device holds: device i of every group
-    holds slots i*S .. (i+1)*S - 1 (S = P / G). Padding slots (a device that holds
-    fewer experts, as LysiAssign gives slower or smaller devices) are ``EMPTY_SLOT``:
-    zero weights, never routed to. P = E when the plan places every expert once on
-    equally loaded devices; then ``perm`` is a permutation.
+    holds slots i*El .. (i+1)*El - 1 (El = num_slots / W). Padding slots (a device
+    that holds fewer experts, as LysiAssign gives slower or smaller devices) are
+    ``EMPTY_SLOT``: zero weights, never routed to. num_slots = E when the plan places
+    every expert once on equally loaded devices; then ``perm`` is a permutation.
 
     ``allow_replicas``: accept a replicated placement (``ModelSpec.num_replicas``):
     experts may then occupy several slots.
@@ -169,7 +170,8 @@ def expert_permutation(plan, *, allow_replicas: bool = False) -> np.ndarray:
 
 
 def logical_slots(perm: Sequence[int], num_experts: int) -> np.ndarray:
-    """int32[E]: the first physical slot of each logical expert in ``perm`` int[P]."""
+    """int32[E]: the first physical slot of each logical expert in ``perm``
+    int[num_slots]."""
     perm = np.asarray(perm)
     return np.asarray([np.flatnonzero(perm == e)[0] for e in range(num_experts)], np.int32)
 
@@ -188,8 +190,8 @@ def inverse_permutation(perm: Sequence[int]) -> np.ndarray:
 
 
 def layout_expert_weights(w, perm: Sequence[int], *, inverse: bool = False):
-    """One stacked expert array from logical [E, ...] to physical [P, ...] order
-    (``inverse``: back). Physical slot p holds logical expert ``perm[p]``
+    """One stacked expert array from logical [E, ...] to physical [num_slots, ...] order
+    (``inverse``: back). Physical slot s holds logical expert ``perm[s]``
     (``EMPTY_SLOT``: zeros); back to logical order, a replicated expert is read from
     its first slot."""
     perm = np.asarray(perm, dtype=np.int32)

@@ -18,12 +18,12 @@ unchunked layer's keep/drop decisions and any chunk may send 0..C rows to an exp
 2. **Keep decisions** (``keep_decisions``), bit-for-bit those of
    ``aristax.dispatch.capacity_dispatch`` on the whole batch:
      * "position" (GShard: all top-1 choices in token order, then all top-2, ...):
-       the order is global across the batch, so "slots used by chunks < i" alone
+       the order is global across the batch, so "places used by chunks < i" alone
        is not enough (chunk 0's top-2 choices rank *after* chunk 1's top-1
-       choices). The carry is a table per (rank r, expert e): chunk i's slot (t, r)
+       choices). The carry is a table per (rank r, expert e): chunk i's assignment (t, r)
        to expert e gets place
          sum_{r' < r} total[r', e] + carry_i[r, e] + (rank of t among chunk i's
-         rank-r slots to e, token order),
+         rank-r assignments to e, token order),
        where total[r, e] counts rank-r assignments to e over the whole batch and
        carry_i[r, e] those in chunks < i; it is kept when place < C. Each chunk
        computes its own decisions from the carry (``carried_keep_position``).
@@ -31,12 +31,12 @@ unchunked layer's keep/drop decisions and any chunk may send 0..C rows to an exp
        decision depends on every other chunk's weights, so the decisions come
        from one global ``capacity_dispatch`` (a sort of T weights).
      * expert choice: the router itself picks, globally; its picks are the kept set.
-   ``capacity_carry`` reports, per chunk, how many slots each expert already used
+   ``capacity_carry`` reports, per chunk, how many places each expert already used
    (the quantity Lancet's gating operators pass along).
-3. **Per chunk**: dispatch of the chunk's *kept* slots in expert order (a dropless
-   layout of only the kept slots: the chunk sends 0..C rows to an expert), experts
+3. **Per chunk**: dispatch of the chunk's *kept* assignments in expert order (a dropless
+   layout of only the kept assignments: the chunk sends 0..C rows to an expert), experts
    (or the expert-parallel exchange, see ``aristax.parallel.expert_parallel``), and
-   combine. Each token's output only depends on its own kept slots, so the chunked
+   combine. Each token's output only depends on its own kept assignments, so the chunked
    layer equals ``aristax.moe.moe``: outputs, gradients and aux (num_dropped,
    expert_load, losses).
 
@@ -96,7 +96,7 @@ def num_chunks_from_plan(plan: Any, op: str = "dispatch") -> int:
 
 # ------------------------------------------------------------ keep decisions
 def _rank_counts(routing: routing_lib.Routing) -> jax.Array:
-    """int32[T, K, E]: one-hot of each assigned slot's expert (0 for unassigned)."""
+    """int32[T, K, E]: one-hot of each assignment's expert (0 for unassigned)."""
     onehot = jax.nn.one_hot(routing.expert_ids, routing.num_experts, dtype=jnp.int32)
     return onehot * routing.mask[..., None].astype(jnp.int32)
 
@@ -107,7 +107,7 @@ def carried_keep_position(routing: routing_lib.Routing, capacity: int,
 
     Args:
       routing: the whole batch's ``Routing`` (ids, mask [T, K]).
-      capacity: C slots per expert.
+      capacity: C places (rows) per expert.
       bounds: ``chunk_bounds(T, k)``.
     Returns:
       bool[T, K], equal to ``capacity_dispatch(routing, C, "position").kept`` (see
@@ -129,14 +129,14 @@ def carried_keep_position(routing: routing_lib.Routing, capacity: int,
 
 def keep_decisions(routing: routing_lib.Routing, config: MoEConfig,
                    bounds: Bounds) -> tuple[jax.Array, jax.Array]:
-    """The unchunked layer's kept slots and its dropped count.
+    """The unchunked layer's kept assignments and its dropped count.
 
     Args:
       routing: the whole batch's ``Routing`` ([T, K]; expert ids may be physical slots).
       config: the layer's ``MoEConfig``.
       bounds: ``chunk_bounds(T, k)``.
     Returns:
-      (kept bool[T, K], num_dropped int32[]): dropless keeps every routed slot;
+      (kept bool[T, K], num_dropped int32[]): dropless keeps every routed assignment;
       "position" uses ``carried_keep_position``; "probability" and expert choice
       use one global ``make_dispatch`` (their decisions are batch-global).
     """
@@ -153,7 +153,7 @@ def keep_decisions(routing: routing_lib.Routing, config: MoEConfig,
 
 
 def capacity_carry(routing: routing_lib.Routing, kept: jax.Array, bounds: Bounds) -> jax.Array:
-    """int32[k, E]: slots of each expert already used by chunks < i (Lancet's carry).
+    """int32[k, E]: places of each expert already used by chunks < i (Lancet's carry).
 
     Row i is what chunk i's gate learns from the chunks before it; row i plus chunk
     i's own kept count never exceeds C.
@@ -165,7 +165,7 @@ def capacity_carry(routing: routing_lib.Routing, kept: jax.Array, bounds: Bounds
 
 def chunk_routing(routing: routing_lib.Routing, kept: jax.Array, start: int,
                   stop: int) -> routing_lib.Routing:
-    """Rows start..stop of ``routing`` with ``mask`` = the kept slots ([Tc, K])."""
+    """Rows start..stop of ``routing`` with ``mask`` = the kept assignments ([Tc, K])."""
     return jax.tree.map(lambda a: a[start:stop], routing.replace(mask=kept))
 
 
@@ -173,8 +173,8 @@ def chunk_routing(routing: routing_lib.Routing, kept: jax.Array, start: int,
 def chunk_experts(xc: jax.Array, routing: routing_lib.Routing, params: MoEParams,
                   config: MoEConfig) -> jax.Array:
     """One chunk on one device: xc[Tc, D] (compute dtype), routing [Tc, K] with mask =
-    kept slots -> routed-expert output [Tc, D] in the accumulation dtype (dropless
-    layout of the kept slots, so the fused ``moe_mlp`` kernels serve it too)."""
+    kept assignments -> routed-expert output [Tc, D] in the accumulation dtype (dropless
+    layout of the kept assignments, so the fused ``moe_mlp`` kernels serve it too)."""
     return routed_experts(xc, dispatch_lib.dropless_dispatch(routing), routing.weights,
                           params, config, dropless=True)
 

@@ -327,7 +327,7 @@ def test_sigmoid_router_with_underflowing_scores_stays_finite(implementation, no
     ("routed_scaling_factor", dict(routed_scaling_factor=-1.0)),
     ("routed_scaling_factor", dict(routed_scaling_factor=float("nan"))),
     ("capacity_factor", dict(capacity_factor=float("inf"))),
-    ("exchange_backend", dict(exchange_backend="bogus")),
+    ("exchange", dict(exchange="bogus")),
     ("implementation", dict(implementation="tritn")),
     ("implementation", dict(implementation=["triton", "nope"])),
     ("implementation", dict(implementation=[])),

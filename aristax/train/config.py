@@ -49,7 +49,7 @@ class LMConfig:
 # MoEConfig fields that are not model.X keys: the widths above, the dtypes (model.dtype
 # is the parameters'), and what the trainer or parallel.X sets.
 _NOT_MOE_KEYS = ("num_experts", "top_k", "d_model", "d_ff", "dtype", "param_dtype",
-                 "debug_checks", "num_chunks", "exchange_backend")
+                 "debug_checks", "num_chunks", "exchange")
 # A type OmegaConf can check where MoEConfig's cannot be (a name or a list of names).
 _KEY_TYPES = {"implementation": Optional[Any]}
 MOE_KEYS = tuple(f.name for f in dataclasses.fields(MoEConfig) if f.name not in _NOT_MOE_KEYS)
@@ -108,7 +108,7 @@ class ParallelConfig:
     expert_capacity: int = 0
     expert_parallel: bool = True
     group_size: int = 0
-    exchange_backend: Optional[str] = None
+    exchange: Optional[str] = None  # the all-to-all strategy (MoEConfig.exchange)
     num_chunks: int = 0  # 0: the plan's Lancet partition count
 
 
@@ -216,7 +216,7 @@ _KEY_OF_FIELD = {
     "num_key_value_heads": "model.num_kv_heads", "num_local_experts": "model.num_experts",
     "num_experts_per_tok": "model.top_k", "max_position_embeddings": "model.seq_len",
     "router_aux_loss_coef": "model.lb_loss_coef", "param_dtype": "model.dtype",
-    "exchange_backend": "parallel.exchange_backend", "num_chunks": "parallel.num_chunks"}
+    "exchange": "parallel.exchange", "num_chunks": "parallel.num_chunks"}
 
 
 def _with_config_keys(message: str) -> str:
@@ -249,7 +249,7 @@ def moe_config(m: ModelConfig, p: ParallelConfig | None = None) -> MoEConfig:
         num_experts=m.num_experts, top_k=m.top_k, d_model=m.d_model, d_ff=m.d_ff,
         param_dtype=m.dtype)
     if p is not None:
-        fields["exchange_backend"] = p.exchange_backend
+        fields["exchange"] = p.exchange
         if p.num_chunks:
             fields["num_chunks"] = p.num_chunks
     return MoEConfig(**fields)

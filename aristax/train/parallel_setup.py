@@ -75,12 +75,12 @@ def plan_and_mesh(cfg: TrainConfig, devices):
     spec = ModelSpec(num_experts=m.num_experts, top_k=m.top_k, d_model=m.d_model, d_ff=m.d_ff,
                      tokens_per_device=max(tokens, 1), num_layers=m.num_layers, moe_every=1,
                      bytes_per_element=np.dtype(m.dtype).itemsize)
-    G = cfg.parallel.group_size
+    W = cfg.parallel.group_size
     groups = None
-    if G:
-        if len(devices) % G:
-            raise ValueError(f"parallel.group_size={G} does not divide {len(devices)} devices")
-        groups = [list(range(i, i + G)) for i in range(0, len(devices), G)]
+    if W:
+        if len(devices) % W:
+            raise ValueError(f"parallel.group_size={W} does not divide {len(devices)} devices")
+        groups = [list(range(i, i + W)) for i in range(0, len(devices), W)]
     plan = make_plan(topology, spec, groups=groups)
     mesh = mesh_from_plan(plan, devices, topology=topology)
     return plan, Mesh(mesh.devices, mesh.axis_names,

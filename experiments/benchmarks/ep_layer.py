@@ -1,8 +1,8 @@
-"""Expert-parallel MoE layer per exchange backend and chunk count vs single-device peers.
+"""Expert-parallel MoE layer per exchange and chunk count vs single-device peers.
 
 Times one jitted forward and one jitted forward+backward of
 ``aristax.parallel.expert_parallel_moe`` on host CPU devices (forced with
-``--xla_force_host_platform_device_count``) for each exchange backend ("padded",
+``--xla_force_host_platform_device_count``) for each exchange ("padded",
 "scheduled" (ppermute rounds), "hierarchical" (Tutel 2DH over a ("data", "node",
 "local") mesh), "ragged" where the platform runs it) and each Lancet chunk count
 (``num_chunks``), next to two single-device peers on the same batch:
@@ -15,7 +15,7 @@ Every row prints its ratio to both peers. On a CPU host the "devices" share the 
 cores, so the numbers measure overhead (exchange, padding, chunking), not speed-up.
 
 Usage: aristax bench ep_layer [--devices 8] [--tokens 4096]
-       [--chunks 1,2,3,4] [--backends padded,scheduled,hierarchical]
+       [--chunks 1,2,3,4] [--exchanges padded,scheduled,hierarchical]
        [--out OUT.json (default: results/ep_layer.json beside this script)]
 """
 
@@ -29,10 +29,10 @@ _args = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 _args.add_argument("--devices", type=int, default=8)
 _args.add_argument("--mesh", default="2x4", help="data x expert, e.g. 1x8, 2x4, 4x2")
 _args.add_argument("--nodes", type=int, default=2,
-                   help="'hierarchical': the expert axis G split as nodes x G/nodes")
+                   help="'hierarchical': the expert axis W split as nodes x W/nodes")
 _args.add_argument("--chunks", default="1,2,3,4", help="num_chunks values to time")
-_args.add_argument("--backends", default="padded,scheduled,hierarchical,ragged",
-                   help="exchange backends ('ragged' is skipped on CPU)")
+_args.add_argument("--exchanges", default="padded,scheduled,hierarchical,ragged",
+                   help="exchanges, the all-to-all strategies ('ragged' is skipped on CPU)")
 _args.add_argument("--dense-capacity-factor", type=float, default=1.25,
                    help="capacity factor of the GShard dense-dispatch peer")
 _args.add_argument("--tokens", type=int, default=4096)
@@ -59,7 +59,7 @@ import numpy as np  # noqa: E402
 
 from aristax import MoEConfig, MoEParams, moe  # noqa: E402
 from aristax import routing as routing_lib  # noqa: E402
-from aristax.parallel import EXCHANGE_BACKENDS, expert_parallel_moe  # noqa: E402
+from aristax.parallel import EXCHANGES, expert_parallel_moe  # noqa: E402
 
 
 def machine_info() -> dict:
@@ -116,10 +116,10 @@ def gshard_dense(x, params: MoEParams, cfg: MoEConfig):
 
 
 def hier_mesh(shape):
-    R, G = shape
-    if G % ARGS.nodes:
-        raise SystemExit(f"--nodes={ARGS.nodes} does not divide the expert axis G={G}")
-    return jax.make_mesh((R, ARGS.nodes, G // ARGS.nodes), ("data", "node", "local"))
+    R, W = shape
+    if W % ARGS.nodes:
+        raise SystemExit(f"--nodes={ARGS.nodes} does not divide the expert axis W={W}")
+    return jax.make_mesh((R, ARGS.nodes, W // ARGS.nodes), ("data", "node", "local"))
 
 
 def ratio_table(results: dict) -> str:
@@ -150,8 +150,8 @@ def main() -> None:
     shape = tuple(int(v) for v in ARGS.mesh.split("x"))
     mesh = jax.make_mesh(shape, ("data", "expert"))
     chunks = [int(c) for c in ARGS.chunks.split(",")]
-    backends = [b for b in ARGS.backends.split(",")
-                if b in EXCHANGE_BACKENDS and (b != "ragged" or jax.default_backend() != "cpu")]
+    exchanges = [e for e in ARGS.exchanges.split(",")
+                 if e in EXCHANGES and (e != "ragged" or jax.default_backend() != "cpu")]
     note = (f"{len(jax.devices())} {jax.default_backend()} devices share "
             f"{os.cpu_count()} CPU cores of one host (forced host platform devices): EP "
             "numbers measure exchange/padding/chunking overhead, not speed-up; "
@@ -171,13 +171,13 @@ def main() -> None:
     res = result["results"]
     res["single_device"] = steps(lambda x, p: moe(x, p, cfg), x, params)
     res["gshard_dense"] = steps(lambda x, p: gshard_dense(x, p, dense_cfg), x, params)
-    for backend in backends:
-        m, ax = (hier_mesh(shape), ("node", "local")) if backend == "hierarchical" else (
+    for exchange in exchanges:
+        m, ax = (hier_mesh(shape), ("node", "local")) if exchange == "hierarchical" else (
             mesh, "expert")
         for k in chunks:
-            fwd = lambda x, p, b=backend, m=m, ax=ax, k=k: expert_parallel_moe(  # noqa: E731
-                x, p, cfg, m, backend=b, expert_axis=ax, num_chunks=k)
-            name = f"ep_{backend}_k{k}"
+            fwd = lambda x, p, e=exchange, m=m, ax=ax, k=k: expert_parallel_moe(  # noqa: E731
+                x, p, cfg, m, exchange=e, expert_axis=ax, num_chunks=k)
+            name = f"ep_{exchange}_k{k}"
             res[name] = steps(fwd, x, params)
             print(name, {s: round(v["median_s"] * 1e3, 2) for s, v in res[name].items()},
                   "ms", file=sys.stderr)

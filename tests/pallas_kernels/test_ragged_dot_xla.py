@@ -204,7 +204,7 @@ def test_aligned_dispatch_is_the_same_layer(multiple):
     assert np.all(sizes - np.asarray(plain.group_sizes) < multiple)
     rows = np.asarray(dispatch_lib.permute(x, aligned))
     assert not np.any(rows[~np.asarray(aligned.row_valid)])
-    assert aligned.row_slot.shape[0] % multiple == 0
+    assert aligned.sort_order.shape[0] % multiple == 0
 
 
 @pytest.mark.parametrize("load", ["uniform", "one_expert"])

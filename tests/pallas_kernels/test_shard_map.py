@@ -118,7 +118,7 @@ def test_expert_parallel_layer_lowers_for_cuda_on_the_kernels(expert_perm, monke
 
     def loss(x, p):
         y, aux = expert_parallel_moe(x, p, cfg, mesh, expert_perm=expert_perm,
-                                     backend="ragged")
+                                     exchange="ragged")
         return jnp.sum(y ** 2) + aux["loss"]
 
     checks = CHECKS["triton"] + [jax.export.DisabledSafetyCheck.custom_call("ragged_all_to_all")]

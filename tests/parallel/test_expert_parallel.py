@@ -63,15 +63,15 @@ def per_shard_moe(x, params, cfg, shards):
 
 
 def plan_perm(shape, E):
-    R, G = shape
-    groups = [list(range(r * G, (r + 1) * G)) for r in range(R)]
+    R, W = shape
+    groups = [list(range(r * W, (r + 1) * W)) for r in range(R)]
     plan = make_plan(uniform(8, expert_capacity=E), ModelSpec(num_experts=E), groups=groups)
     perm = expert_permutation(plan)
     return plan, perm
 
 
 CASES = {
-    # id: (mesh shape, config changes, backend, use the plan's expert permutation
+    # id: (mesh shape, config changes, exchange, use the plan's expert permutation
     #      [, the expert every token picks first])
     "1x8_top1_dropless": ((1, 8), dict(num_experts=8, top_k=1), "padded", False),
     "2x4_top2_dropless_plan_shared": (
@@ -115,7 +115,7 @@ def test_matches_single_device_layer(case, kernel_calls):
     """Output, aux and gradients against the single-device layer on the reference path.
     On kernels the layer's ``shard_map`` runs with JAX's varying-axes check off (Pallas
     interpret mode fails it), and the kernels it names must really run."""
-    shape, changes, backend, use_plan, *steered = CASES[case]
+    shape, changes, exchange, use_plan, *steered = CASES[case]
     cfg = MoEConfig(d_model=D, d_ff=F, **changes)
     mesh = make_mesh(shape, explicit=shape != (1, 8))
     params = make_params(cfg)
@@ -131,7 +131,7 @@ def test_matches_single_device_layer(case, kernel_calls):
         ep_params = layout_experts(params, perm)
 
     def ep(x, p):
-        return expert_parallel_moe(x, p, cfg, mesh, expert_perm=perm, backend=backend)
+        return expert_parallel_moe(x, p, cfg, mesh, expert_perm=perm, exchange=exchange)
 
     shards = shape[0] * shape[1]
     ref_cfg = cfg.replace(implementation=None)
@@ -184,21 +184,21 @@ def test_matches_single_device_layer(case, kernel_calls):
                                                        ("triton", "swiglu")])
 def test_local_experts_on_each_implementation(implementation, activation,
                                               kernel_calls):
-    """A device's received buffer [G*B, D] (source i's rows from i*B, sorted by local
+    """A device's received buffer [W*B, D] (source i's rows from i*B, sorted by local
     expert, then padding): each routed row through its expert's MLP in place, padding
     rows 0; values and gradients against a per-row NumPy/jnp loop. Hard counts: a
     source that sends nothing, one that fills its block, a local expert with no rows.
     "triton" (interpret mode here) runs the fused moe_mlp with one slot per row."""
-    G, B, El = 4, 6, 3
+    W, B, El = 4, 6, 3
     recv_counts = jnp.array([[2, 0, 3], [0, 0, 0], [1, 0, 5], [4, 0, 1]], jnp.int32)
     cfg = MoEConfig(num_experts=El, top_k=1, d_model=D, d_ff=F, activation=activation,
                     implementation=implementation)
     params = make_params(cfg, seed=3)
-    recv = jax.random.normal(jax.random.key(4), (G * B, D))
-    ct = jax.random.normal(jax.random.key(5), (G * B, D))
+    recv = jax.random.normal(jax.random.key(4), (W * B, D))
+    ct = jax.random.normal(jax.random.key(5), (W * B, D))
     # local expert of each buffer row, -1 on padding (rows past a source's count)
-    expert_of = np.full(G * B, -1)
-    for i in range(G):
+    expert_of = np.full(W * B, -1)
+    for i in range(W):
         ids = np.repeat(np.arange(El), np.asarray(recv_counts[i]))
         expert_of[i * B:i * B + ids.size] = ids
     routed = expert_of >= 0
@@ -241,14 +241,14 @@ def test_jitted_step_keeps_output_sharding():
 
 def overflow_reference(x, params, cfg, shape, B):
     """Per source shard, the dropless sort by expert; rows past B per destination drop."""
-    R, G = shape
-    El, K, Tl = cfg.num_experts // G, cfg.top_k, T // (R * G)
+    R, W = shape
+    El, K, Tl = cfg.num_experts // W, cfg.top_k, T // (R * W)
     pl = ref.plan(x, params.router_de, cfg)
     kept, n_over = [], 0
-    for s in range(R * G):
+    for s in range(R * W):
         slots = [(e, t * K + k, t) for t in range(s * Tl, (s + 1) * Tl)
                  for k, e in enumerate(pl["ids"][t])]
-        used = np.zeros(G, int)
+        used = np.zeros(W, int)
         for e, _, t in sorted(slots):
             if used[e // El] < B:
                 used[e // El] += 1
@@ -305,8 +305,8 @@ def test_errors_name_the_argument():
         mg = cfg.replace(implementation=impl)
         with pytest.raises(ValueError, match="implementation=.*use implementation='triton'"):
             expert_parallel_moe(x, make_params(mg), mg, mesh)
-    with pytest.raises(ValueError, match="backend='nccl'"):
-        expert_parallel_moe(x, make_params(cfg), cfg, mesh, backend="nccl")
+    with pytest.raises(ValueError, match="exchange='nccl'"):
+        expert_parallel_moe(x, make_params(cfg), cfg, mesh, exchange="nccl")
     with pytest.raises(ValueError, match="needs a mesh"):
         expert_parallel_moe(x, make_params(cfg), cfg)
     with pytest.raises(ValueError, match=rf"x has shape \(2, 32, {D}\).*\[T, D\]"):

@@ -25,7 +25,7 @@ def mesh3(shape):
 @pytest.mark.parametrize("reverse", [False, True])
 def test_hierarchical_all_to_all_equals_flat(reverse):
     mesh = jax.make_mesh((2, 4), ("node", "local"), axis_types=(AxisType.Auto,) * 2)
-    buf = jax.random.normal(jax.random.key(0), (8 * 8, 3, 2))  # per device [G=8, B=3, 2]
+    buf = jax.random.normal(jax.random.key(0), (8 * 8, 3, 2))  # per device [W=8, B=3, 2]
     ax = ("node", "local")
 
     def body(b):
@@ -62,9 +62,9 @@ def test_hierarchical_equals_flat_padded_and_single_device(case):
 
     kw = dict(num_chunks=chunks)
     (_, (y_h, aux_h)), g_h = grads(lambda x, p: expert_parallel_moe(
-        x, p, cfg, mesh3(shape), expert_axis=("node", "local"), backend="hierarchical", **kw))
+        x, p, cfg, mesh3(shape), expert_axis=("node", "local"), exchange="hierarchical", **kw))
     (_, (y_f, aux_f)), g_f = grads(lambda x, p: expert_parallel_moe(
-        x, p, cfg, flat, backend="padded", **kw))
+        x, p, cfg, flat, exchange="padded", **kw))
     if cfg.capacity_factor is None:
         ref = lambda x, p: moe(x, p, cfg)  # noqa: E731
     else:
@@ -90,7 +90,7 @@ def test_hierarchical_needs_an_axis_pair():
     cfg = MoEConfig(num_experts=8, top_k=2, d_model=D, d_ff=F)
     x = jnp.zeros((T, D))
     with pytest.raises(ValueError, match="expert_axis=\\(outer, inner\\)"):
-        expert_parallel_moe(x, make_params(cfg), cfg, make_mesh((2, 4)), backend="hierarchical")
+        expert_parallel_moe(x, make_params(cfg), cfg, make_mesh((2, 4)), exchange="hierarchical")
     with pytest.raises(ValueError, match="not a mesh axis"):
         expert_parallel_moe(x, make_params(cfg), cfg, mesh3((1, 2, 4)),
-                            expert_axis=("node", "rack"), backend="hierarchical")
+                            expert_axis=("node", "rack"), exchange="hierarchical")

@@ -69,7 +69,7 @@ def test_skewed_plan_equals_single_device(capacity_factor):
     cfg = MoEConfig(num_experts=8, top_k=2, d_model=D, d_ff=F, capacity_factor=capacity_factor)
     mesh = mesh_from_plan(plan, num_experts=8)
     options = expert_parallel_options(plan, mesh, platform="cpu")
-    assert options["backend"] == "padded" and options["expert_axis"] == "expert"
+    assert options["exchange"] == "padded" and options["expert_axis"] == "expert"
     assert EMPTY_SLOT in options["expert_perm"]
     params = make_params(cfg)
     # capacity 4.0*Tl*K/E per source shard never binds here, so EP equals the whole batch
@@ -94,7 +94,7 @@ def test_groups_spanning_nodes_get_a_node_local_mesh_and_hierarchical_exchange()
     assert mesh.axis_names == HIERARCHICAL_AXES and mesh.devices.shape == (1, 2, 4)
     assert [d.id for d in mesh.devices[0, 1]] == [jax.devices()[i].id for i in range(4, 8)]
     options = expert_parallel_options(plan, mesh)
-    assert options["backend"] == "hierarchical" and options["expert_axis"] == ("node", "local")
+    assert options["exchange"] == "hierarchical" and options["expert_axis"] == ("node", "local")
     cfg = MoEConfig(num_experts=8, top_k=2, d_model=D, d_ff=F)
     perm = options["expert_perm"] or tuple(range(8))
     assert_matches_single_device(lambda x, p: expert_parallel_moe(x, p, cfg, mesh, **options),
@@ -118,7 +118,7 @@ def test_moe_module_carries_out_a_skewed_plan():
     cfg = MoEConfig(num_experts=8, top_k=2, d_model=D, d_ff=F)
     single = MoE(cfg, rngs=nnx.Rngs(0))
     layer = MoE(cfg, rngs=nnx.Rngs(0), mesh=mesh, plan=plan)
-    perm = dict(layer.ep_options)["expert_perm"]
+    perm = layer.ep_options.expert_perm
     assert layer.experts.up_edf[...].shape[0] == len(perm) > cfg.num_experts
     for name in ("up_edf", "gate_edf", "down_efd"):  # checkpoints see the logical order
         np.testing.assert_array_equal(np.asarray(getattr(layer.logical_params(), name)),

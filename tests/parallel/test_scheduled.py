@@ -1,4 +1,4 @@
-"""The "scheduled" exchange backend (ppermute rounds) against "padded" on 8 CPU devices."""
+"""The "scheduled" exchange (ppermute rounds) against "padded" on 8 CPU devices."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from test_expert_parallel import make_mesh, make_params, per_shard_moe
 D, T = 16, 64
 
 
-def _assert_every_pair_once(rounds, G):
+def _assert_every_pair_once(rounds, W):
     pairs = [p for r in rounds for p in r]
-    assert sorted(pairs) == [(i, j) for i in range(G) for j in range(G) if i != j]
+    assert sorted(pairs) == [(i, j) for i in range(W) for j in range(W) if i != j]
     for r in rounds:
         assert r and len({i for i, _ in r}) == len(r) == len({j for _, j in r})
 
@@ -40,7 +40,7 @@ def test_complete_rounds_covers_every_pair_once_and_validates():
 @pytest.mark.parametrize("rounds", [None, (((0, 3), (3, 0)), ((1, 2), (5, 6), (7, 1)))])
 def test_scheduled_all_to_all_equals_all_to_all(rounds):
     mesh = jax.make_mesh((8,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
-    buf = jax.random.normal(jax.random.key(0), (8 * 8, 3, 2))  # per device [G=8, B=3, 2]
+    buf = jax.random.normal(jax.random.key(0), (8 * 8, 3, 2))  # per device [W=8, B=3, 2]
     full = complete_rounds(rounds, 8)
 
     def body(b):
@@ -63,15 +63,15 @@ def test_ep_scheduled_equals_padded(shape, changes, use_plan):
     ct = jax.random.normal(jax.random.key(2), (T, D))
     schedule = None
     if use_plan:
-        R, G = shape
+        R, W = shape
         plan = make_plan(uniform(8, expert_capacity=cfg.num_experts),
                          ModelSpec(num_experts=cfg.num_experts),
-                         groups=[list(range(r * G, (r + 1) * G)) for r in range(R)])
+                         groups=[list(range(r * W, (r + 1) * W)) for r in range(R)])
         schedule = rounds_from_schedule(plan.schedules[0])
         assert schedule  # the plan really gives rounds
 
-    def loss(x, p, backend, sched):
-        y, aux = expert_parallel_moe(x, p, cfg, mesh, backend=backend, schedule=sched)
+    def loss(x, p, exchange, sched):
+        y, aux = expert_parallel_moe(x, p, cfg, mesh, exchange=exchange, schedule=sched)
         return jnp.sum(y * ct) + aux["loss"], y
 
     @jax.jit
@@ -88,11 +88,11 @@ def test_ep_scheduled_equals_padded(shape, changes, use_plan):
     np.testing.assert_allclose(np.asarray(y1), np.asarray(y_ref), atol=2e-5, rtol=2e-5)
 
 
-def test_schedule_needs_scheduled_backend():
+def test_schedule_needs_scheduled_exchange():
     cfg = MoEConfig(num_experts=8, top_k=2, d_model=D, d_ff=24)
     with pytest.raises(ValueError, match="schedule="):
         expert_parallel_moe(jnp.zeros((T, D)), make_params(cfg), cfg, make_mesh((1, 8)),
-                            backend="padded", schedule=(((0, 1),),))
+                            exchange="padded", schedule=(((0, 1),),))
 
 
 def test_rounds_from_a_skewed_plan_send_each_pair_once():
