@@ -14,7 +14,6 @@ is inferred from the pad id when the prompts hold it (and it is not an EOS id).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections.abc import Callable, Sequence
 
@@ -61,9 +60,42 @@ def _emit(tok, done, eos_ids: jax.Array, pad_id: jax.Array):
 
 
 # --------------------------------------------------------------------- compiled steps
-def _prefill(graphdef, state, decode_weights, input_ids, attention_mask, position_ids,
-             rng, temperature, top_p, eos_ids, pad_id, *, cache_length, do_sample):
-    model = nnx.merge(graphdef, state)
+class _Structure:
+    """A model's structure (``nnx.split``'s graphdef) as a static jit argument that
+    hashes once.
+
+    ``jax.jit`` hashes its static arguments on every call, and hashing a graphdef each
+    decode step would cost about 5 ms for a 12-layer model (7% of a CPU step); so
+    ``generate`` wraps the graphdef once per call, which hashes it once. JAX then
+    compares a call's static arguments with the cached ones by ``==``, identity first:
+    two equal structures holding different graphdef objects share one graphdef once
+    compared, so later steps compare by identity.
+    """
+
+    __slots__ = ("graphdef", "_hash")
+
+    def __init__(self, graphdef):
+        self.graphdef = graphdef
+        self._hash = hash(graphdef)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, _Structure) or self._hash != other._hash:
+            return False
+        if self.graphdef is other.graphdef:
+            return True
+        if self.graphdef != other.graphdef:
+            return False
+        other.graphdef = self.graphdef  # equal values: share one object
+        return True
+
+
+def _prefill(structure: _Structure, state, decode_weights, input_ids, attention_mask,
+             position_ids, rng, temperature, top_p, eos_ids, pad_id, *, cache_length,
+             do_sample):
+    model = nnx.merge(structure.graphdef, state)
     B = input_ids.shape[0]
     cache = KVCache.init(model.config, B, cache_length)
     out = model(input_ids, attention_mask, position_ids, cache=cache,
@@ -74,9 +106,9 @@ def _prefill(graphdef, state, decode_weights, input_ids, attention_mask, positio
     return tok, done, out.cache, position_ids[:, -1] + 1, rng
 
 
-def _decode(graphdef, state, decode_weights, tok, done, cache, position, rng, temperature,
-            top_p, eos_ids, pad_id, *, do_sample):
-    model = nnx.merge(graphdef, state)
+def _decode(structure: _Structure, state, decode_weights, tok, done, cache, position, rng,
+            temperature, top_p, eos_ids, pad_id, *, do_sample):
+    model = nnx.merge(structure.graphdef, state)
     out = model(tok[:, None], None, position[:, None], cache=cache,
                 decode_weights=decode_weights)
     rng, key = jax.random.split(rng)
@@ -85,21 +117,16 @@ def _decode(graphdef, state, decode_weights, tok, done, cache, position, rng, te
     return nxt, done, out.cache, position + 1, rng
 
 
-@functools.lru_cache(maxsize=16)
-def compiled_steps(graphdef) -> tuple[Callable, Callable]:
-    """The jitted (prefill, decode step) of one model structure (``nnx.split``'s
-    graphdef), closed over it.
-
-    Passing the graphdef as a static argument would hash it on every call: about
-    5 ms per decode step for a 12-layer model, 7% of a CPU step. Here it is hashed
-    once per ``generate`` call. Static arguments left: ``do_sample`` for both and
-    ``cache_length`` for the prefill; the decode step donates the cache.
-    """
-    prefill = jax.jit(functools.partial(_prefill, graphdef),
-                      static_argnames=("cache_length", "do_sample"))
-    decode = jax.jit(functools.partial(_decode, graphdef), static_argnames=("do_sample",),
-                     donate_argnames=("cache",))
-    return prefill, decode
+# The compiled steps live in JAX's own jit cache of these two module-level functions
+# (no cache of ours): an entry per model structure (the ``structure`` static argument:
+# layer count, sizes, MoE plan and layout, dtypes, ...), per ``do_sample`` and, for the
+# prefill, per ``cache_length`` (prompt length + max_new_tokens), and per shape, dtype
+# and sharding of the array arguments (batch, prompt length). Sampling values
+# (temperature, top_p, EOS and pad ids) are arrays: changing them compiles nothing.
+# ``jax.clear_caches()`` empties it. The decode step donates the cache.
+prefill_step = jax.jit(_prefill, static_argnames=("structure", "cache_length", "do_sample"))
+decode_step = jax.jit(_decode, static_argnames=("structure", "do_sample"),
+                      donate_argnames=("cache",))
 
 
 # --------------------------------------------------------------------- driver
@@ -119,6 +146,30 @@ class GenerationStats:
     def decode_ms_per_token(self) -> float:
         return 1e3 * self.decode_s / max(self.decode_steps, 1)
 
+    @classmethod
+    def from_times(cls, t0: float, times: Sequence[float]) -> GenerationStats:
+        """From the start time and the time each token (prefill's, then each decode
+        step's) was read."""
+        first = times[1] - times[0] if len(times) > 1 else 0.0
+        steps = tuple(np.diff(times)[1:].tolist())
+        return cls(prefill_s=times[0] - t0, first_step_s=first,
+                   decode_s=times[-1] - times[0] - first, decode_steps=len(steps),
+                   step_s=steps)
+
+
+def _check_arguments(ids: np.ndarray, max_new_tokens, temperature, top_p,
+                     vocab_size: int) -> None:
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"input_ids must be an integer array [batch, seq], got "
+                         f"{ids.dtype}{list(ids.shape)}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p} must be in (0, 1]")
+    check_token_ids(ids, vocab_size)
+
 
 def _check_left_padded(mask: np.ndarray, inferred_from_pad: int | None) -> None:
     name = ("attention_mask" if inferred_from_pad is None else "the attention_mask "
@@ -136,6 +187,24 @@ def _pad_marks_padding(ids: np.ndarray, pad: int | None, eos: tuple[int, ...]) -
     return pad is not None and bool(np.any(ids == pad)) and pad not in eos
 
 
+def _prompt_mask(ids: np.ndarray, attention_mask, pad: int | None,
+                 eos: tuple[int, ...]) -> np.ndarray:
+    """bool[B, S] real-token mask of the int[B, S] prompts: ``attention_mask``, else
+    inferred from the pad id (``_pad_marks_padding``), else all real; checked to be
+    left-padded."""
+    inferred_from = None
+    if attention_mask is not None:
+        mask = np.asarray(attention_mask) != 0
+    elif _pad_marks_padding(ids, pad, eos):
+        mask, inferred_from = ids != pad, pad
+    else:
+        mask = np.ones(ids.shape, bool)
+    if mask.shape != ids.shape:
+        raise ValueError(f"attention_mask has shape {mask.shape}, input_ids {ids.shape}")
+    _check_left_padded(mask, inferred_from)
+    return mask
+
+
 def _special_ids(model: Mixtral, eos_token_id, pad_token_id
                  ) -> tuple[tuple[int, ...], int | None]:
     """(EOS ids, pad id or None) as Hugging Face resolves them: the config's where not
@@ -148,6 +217,47 @@ def _special_ids(model: Mixtral, eos_token_id, pad_token_id
     if pad_token_id is None and eos:
         pad_token_id = eos[0]
     return eos, pad_token_id
+
+
+def _stop_ids(eos: tuple[int, ...], pad: int | None) -> tuple[np.ndarray, np.int32]:
+    """(int32[max(4, n)] EOS ids padded with -1, never a token, to a fixed length so
+    that their count compiles nothing; int32[] pad id, 0 and unused without one, as
+    there is then no EOS)."""
+    eos_padded = np.full(max(4, len(eos)), -1, np.int32)
+    eos_padded[:len(eos)] = eos
+    return eos_padded, np.int32(0 if pad is None else pad)
+
+
+def _run_steps(prefill: Callable, step: Callable, max_new_tokens: int, stops: bool
+               ) -> tuple[list[np.ndarray], list[float], float]:
+    """Runs ``prefill()`` then up to ``max_new_tokens - 1`` ``step(carry)`` calls, each
+    carry starting with the int32[B] tokens and the bool[B] done rows; stops early once
+    every row is done when ``stops`` (there are EOS ids).
+
+    One step is dispatched ahead: step i + 1 is queued (its inputs are step i's device
+    arrays) before step i's token is read, so the host's dispatch work overlaps the
+    device's compute. A step queued past the last EOS is discarded.
+    Returns (the int[B] tokens read, the time each was read, the start time).
+    """
+    tokens, times = [], []
+
+    def fetch(carry) -> bool:
+        """Wait for a step's token; True when every row is done (EOS seen)."""
+        tokens.append(np.asarray(carry[0]))
+        times.append(time.perf_counter())
+        return stops and bool(np.all(np.asarray(carry[1])))
+
+    t0 = time.perf_counter()
+    carry = prefill()
+    all_done = fetch(carry)
+    ahead = step(carry) if max_new_tokens > 1 and not all_done else None
+    for i in range(1, max_new_tokens):
+        if all_done:
+            break
+        carry = ahead
+        ahead = step(carry) if i + 1 < max_new_tokens else None
+        all_done = fetch(carry)
+    return tokens, times, t0
 
 
 def generate_with_stats(
@@ -163,76 +273,38 @@ def generate_with_stats(
     rng: jax.Array | None = None,
     decode_weights: DecodeWeights | None = None,
 ) -> tuple[np.ndarray, GenerationStats]:
-    """``generate`` that also returns ``GenerationStats``."""
+    """``generate`` that also returns ``GenerationStats``.
+
+    The compiled steps are ``prefill_step`` and ``decode_step``, kept in JAX's jit
+    cache (see there): a second call with the same model structure, shapes and
+    ``do_sample`` compiles nothing.
+    """
     ids = np.asarray(input_ids)
-    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"input_ids must be an integer array [batch, seq], got "
-                         f"{ids.dtype}{list(ids.shape)}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p={top_p} must be in (0, 1]")
-    check_token_ids(ids, model.config.vocab_size)
-    B, S = ids.shape
+    _check_arguments(ids, max_new_tokens, temperature, top_p, model.config.vocab_size)
     eos, pad = _special_ids(model, eos_token_id, pad_token_id)
-    inferred_from = None
-    if attention_mask is not None:
-        mask = np.asarray(attention_mask) != 0
-    elif _pad_marks_padding(ids, pad, eos):
-        mask, inferred_from = ids != pad, pad
-    else:
-        mask = np.ones((B, S), bool)
-    if mask.shape != (B, S):
-        raise ValueError(f"attention_mask has shape {mask.shape}, input_ids {ids.shape}")
-    _check_left_padded(mask, inferred_from)
+    mask = _prompt_mask(ids, attention_mask, pad, eos)
     position_ids = np.where(mask, np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
     do_sample = temperature > 0
     rng = jax.random.key(0) if rng is None else rng
-    temp = np.float32(temperature if do_sample else 1.0)
-    top_p = np.float32(top_p)
+    sampling = (np.float32(temperature if do_sample else 1.0), np.float32(top_p),
+                *_stop_ids(eos, pad))
     if decode_weights is None:
         decode_weights = model.decode_weights()
     graphdef, state = nnx.split(model)
-    # EOS ids padded with -1 (never a token) to a fixed length: no recompile per count
-    eos_padded = np.full(max(4, len(eos)), -1, np.int32)
-    eos_padded[:len(eos)] = eos
-    stop = (eos_padded, np.int32(0 if pad is None else pad))  # no pad: no EOS, unused
+    structure = _Structure(graphdef)  # hashed here, once per call
 
-    prefill, decode = compiled_steps(graphdef)
-    tokens, times = [], []
-
-    def fetch(carry) -> bool:
-        """Wait for a step's token; True when every row is done (EOS seen)."""
-        tokens.append(np.asarray(carry[0]))
-        times.append(time.perf_counter())
-        return bool(eos) and bool(np.all(np.asarray(carry[1])))
+    def prefill():
+        return prefill_step(structure, state, decode_weights, ids.astype(np.int32), mask,
+                            position_ids, rng, *sampling,
+                            cache_length=ids.shape[1] + max_new_tokens, do_sample=do_sample)
 
     def step(carry):
-        return decode(state, decode_weights, *carry, temp, top_p, *stop,
-                      do_sample=do_sample)
+        return decode_step(structure, state, decode_weights, *carry, *sampling,
+                           do_sample=do_sample)
 
-    t0 = time.perf_counter()
-    carry = prefill(state, decode_weights, ids.astype(np.int32), mask, position_ids, rng,
-                    temp, top_p, *stop, cache_length=S + max_new_tokens, do_sample=do_sample)
-    all_done = fetch(carry)
-    # One step dispatched ahead: step i + 1 is queued (its inputs are step i's device
-    # arrays) before step i's token is read, so the host's dispatch work overlaps the
-    # device's compute. A step queued past the last EOS is discarded.
-    ahead = step(carry) if max_new_tokens > 1 and not all_done else None
-    for i in range(1, max_new_tokens):
-        if all_done:
-            break
-        carry = ahead
-        ahead = step(carry) if i + 1 < max_new_tokens else None
-        all_done = fetch(carry)
+    tokens, times, t0 = _run_steps(prefill, step, max_new_tokens, bool(eos))
     out = np.concatenate([ids, np.stack(tokens, axis=1).astype(ids.dtype)], axis=1)
-    first = times[1] - times[0] if len(times) > 1 else 0.0
-    steps = tuple(np.diff(times)[1:].tolist())
-    return out, GenerationStats(prefill_s=times[0] - t0, first_step_s=first,
-                                decode_s=times[-1] - times[0] - first,
-                                decode_steps=len(steps), step_s=steps)
+    return out, GenerationStats.from_times(t0, times)
 
 
 def generate(

@@ -33,7 +33,7 @@ def test_one_prefill_and_one_decode_compile(small_pair):
     model = small_pair.ours
     ids = np.random.default_rng(0).integers(3, 100, size=(2, 5))  # shapes no other test uses
     model.decode_weights(), jax.random.key(0)  # warm the eager helpers
-    prefill, decode = gen_lib.compiled_steps(nnx.graphdef(model))
+    prefill, decode = gen_lib.prefill_step, gen_lib.decode_step
     prefill0, decode0 = prefill._cache_size(), decode._cache_size()
     with count_compiles() as compiles:
         out = generate(model, ids, 12)
@@ -45,6 +45,30 @@ def test_one_prefill_and_one_decode_compile(small_pair):
     with count_compiles() as compiles:
         generate(model, ids, 12, temperature=0.7, top_p=0.8, eos_token_id=9, pad_token_id=1)
     assert compiles == []
+
+
+def test_second_call_reuses_the_compiled_steps(small_pair, monkeypatch):
+    """The compiled steps live in JAX's jit cache (no cache of ours): a second call with
+    the same shapes, and a call on another instance of the same model structure,
+    compile and trace nothing, and each call hashes the model's graphdef once, not once
+    per decode step."""
+    model = small_pair.ours
+    ids = np.random.default_rng(2).integers(3, 100, size=(3, 4))  # shapes no other test uses
+    generate(model, ids, 10)
+    sizes = gen_lib.prefill_step._cache_size(), gen_lib.decode_step._cache_size()
+    graphdef_type = type(nnx.graphdef(model))
+    hashes = []
+    unpatched = graphdef_type.__hash__
+    monkeypatch.setattr(graphdef_type, "__hash__",
+                        lambda self: hashes.append(1) or unpatched(self))
+    twin = type(model).from_pretrained(small_pair.path)  # another graphdef object
+    for m in (model, twin):
+        hashes.clear()
+        with count_compiles() as compiles:
+            out = generate(m, ids, 10)
+        assert compiles == [] and len(hashes) == 1, (compiles, len(hashes))
+        assert out.shape == (3, 14)
+    assert (gen_lib.prefill_step._cache_size(), gen_lib.decode_step._cache_size()) == sizes
 
 
 @pytest.mark.parametrize("top_p", [0.05, 0.3, 0.7, 0.95])
