@@ -193,12 +193,46 @@ def start_step_and_data(cfg: TrainConfig, ckpt: Checkpointer, model, optimizer):
 
 
 # ------------------------------------------------------------------ the run
-def train(cfg: TrainConfig, *, log=print) -> RunResult:
-    """Run ``cfg`` (see the module docstring); returns losses and the summary."""
+@dataclasses.dataclass
+class _Run:
+    """What one process of a run holds from set-up to summary."""
+
+    cfg: TrainConfig
+    proc: int  # this process's index
+    nproc: int  # process count
+    out_dir: Path
+    devices: list
+    plan: Any  # the planner's Plan, or None without expert parallelism
+    mesh: Any  # jax Mesh, or None on one device
+    options: dict  # the first MoE block's plan call options (exchange, chunks, perm)
+    vocab: int
+    train_tokens: np.ndarray
+    held_out: np.ndarray
+    model: Mixtral
+    optimizer: nnx.Optimizer
+    ckpt: Checkpointer
+    start_step: int
+    stream: Any  # data_lib.batches iterator of this process's rows
+    sharding: Any  # of a global batch, None without a mesh
+
+    @property
+    def main(self) -> bool:
+        return self.proc == 0
+
+    @property
+    def local_batch(self) -> int:
+        return self.cfg.data.batch_size // self.nproc
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.data.batch_size * self.cfg.model.seq_len
+
+
+def _set_up(cfg: TrainConfig) -> _Run:
+    """Processes, plan and mesh, data, the sharded model and optimizer, restored from
+    the latest checkpoint when resuming."""
     start_processes(cfg)
     proc, nproc = jax.process_index(), jax.process_count()
-    main = proc == 0
-    out_dir = Path(cfg.out_dir)
     devices = jax.devices()
     plan, mesh = plan_and_mesh(cfg, devices)
     m = cfg.model
@@ -206,20 +240,28 @@ def train(cfg: TrainConfig, *, log=print) -> RunResult:
     tokens, vocab = data_lib.read_tokens(cfg.data)
     vocab = max(vocab, m.vocab_size)
     train_tokens, held_out = data_lib.split(tokens, cfg.data.held_out_fraction, m.seq_len)
-    local_batch = cfg.data.batch_size // nproc
     model = build_model(cfg, vocab, mesh, plan)
     optimizer = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
     shard_module(model, mesh)
     shard_module(optimizer, mesh)
-    tokens_per_step = cfg.data.batch_size * m.seq_len
-    options = model.layers[0].moe.plan_call_options(tokens_per_step) or {}
-    ckpt = Checkpointer(out_dir / "checkpoints", keep=cfg.checkpoint.keep,
+    options = model.layers[0].moe.plan_call_options(cfg.data.batch_size * m.seq_len) or {}
+    ckpt = Checkpointer(Path(cfg.out_dir) / "checkpoints", keep=cfg.checkpoint.keep,
                         expert_perm=options.get("expert_perm"))
     start_step, data_state = start_step_and_data(cfg, ckpt, model, optimizer)
-    stream = data_lib.batches(train_tokens, m.seq_len, local_batch, seed=cfg.data.seed,
-                              process_index=proc, process_count=nproc, state=data_state)
-    sharding = batch_sharding(mesh)
-    bias_update = m.bias_update_rate > 0
+    stream = data_lib.batches(train_tokens, m.seq_len, cfg.data.batch_size // nproc,
+                              seed=cfg.data.seed, process_index=proc, process_count=nproc,
+                              state=data_state)
+    return _Run(cfg=cfg, proc=proc, nproc=nproc, out_dir=Path(cfg.out_dir), devices=devices,
+                plan=plan, mesh=mesh, options=options, vocab=vocab,
+                train_tokens=train_tokens, held_out=held_out, model=model,
+                optimizer=optimizer, ckpt=ckpt, start_step=start_step, stream=stream,
+                sharding=batch_sharding(mesh))
+
+
+def make_steps(bias_update: bool):
+    """(train_step(model, optimizer, tokens) -> metrics, eval_step(model, tokens) ->
+    loss), ``nnx.jit``-compiled; the train step also moves the MoE blocks' balance
+    biases when ``bias_update`` (aux-loss-free balancing)."""
 
     @nnx.jit
     def train_step(model, optimizer, tokens):
@@ -231,43 +273,64 @@ def train(cfg: TrainConfig, *, log=print) -> RunResult:
         return metrics
 
     eval_step = nnx.jit(lambda model, tokens: lm_loss(model, tokens)[1]["loss"])
+    return train_step, eval_step
 
-    def evaluate():
-        it = data_lib.batches(held_out, m.seq_len, local_batch, seed=0, shuffle=False,
-                              process_index=proc, process_count=nproc)
-        return float(np.mean([eval_step(model, _global_batch(next(it), sharding))
-                              for _ in range(cfg.eval_batches)]))
 
-    writer = MetricsWriter(out_dir, enabled=main, start_step=start_step)
-    peak = matmul_flops(devices[0], jnp.dtype(m.dtype)) * (1 if devices[0].platform == "cpu"
-                                                           else len(devices))
-    fpt = flops_per_token(cfg, vocab)
-    if main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-        if plan is not None:
-            (out_dir / "plan.json").write_text(plan.to_json(indent=1))
-        mesh_text = "one device" if mesh is None else (
-            f"mesh {dict(mesh.shape)} from the plan, exchange {options.get('backend')}, "
-            f"{options.get('num_chunks')} Lancet chunk(s)")
-        log(f"aristax train {cfg.name}: {m.num_layers}-layer MoE LM, {m.num_experts} experts "
-            f"(top-{m.top_k}, {m.router}), d_model {m.d_model}; {len(train_tokens):,} training "
-            f"tokens from {cfg.data.source}; {len(devices)} devices in {nproc} process(es), "
-            f"{mesh_text}; steps {start_step + 1}..{cfg.steps}")
-    losses, evals = [], []
-    progress = _progress(cfg, main, start_step)
-    step_s = []  # data + step time of each step (evaluation and checkpoints excluded)
-    for step in range(start_step + 1, cfg.steps + 1):
+def _evaluate(run: _Run, eval_step) -> float:
+    """Mean held-out loss over ``eval_batches`` batches, from the held-out start."""
+    it = data_lib.batches(run.held_out, run.cfg.model.seq_len, run.local_batch, seed=0,
+                          shuffle=False, process_index=run.proc, process_count=run.nproc)
+    return float(np.mean([eval_step(run.model, _global_batch(next(it), run.sharding))
+                          for _ in range(run.cfg.eval_batches)]))
+
+
+def _announce(run: _Run, log) -> None:
+    """Writes config.yaml and plan.json and logs the run (main process only)."""
+    cfg, m, mesh, options = run.cfg, run.cfg.model, run.mesh, run.options
+    if not run.main:
+        return
+    run.out_dir.mkdir(parents=True, exist_ok=True)
+    (run.out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    if run.plan is not None:
+        (run.out_dir / "plan.json").write_text(run.plan.to_json(indent=1))
+    mesh_text = "one device" if mesh is None else (
+        f"mesh {dict(mesh.shape)} from the plan, exchange {options.get('exchange')}, "
+        f"{options.get('num_chunks')} Lancet chunk(s)")
+    log(f"aristax train {cfg.name}: {m.num_layers}-layer MoE LM, {m.num_experts} experts "
+        f"(top-{m.top_k}, {m.router}), d_model {m.d_model}; {len(run.train_tokens):,} "
+        f"training tokens from {cfg.data.source}; {len(run.devices)} devices in "
+        f"{run.nproc} process(es), {mesh_text}; steps {run.start_step + 1}..{cfg.steps}")
+
+
+def step_row(step: int, metrics: dict, seconds: float, tokens_per_step: int,
+             flops_per_tok: float, peak: float) -> dict[str, Any]:
+    """The metrics row of one step (host values of ``lm_loss``'s metrics); tokens/s and
+    MFU from its ``seconds``."""
+    rate = tokens_per_step / max(seconds, 1e-9)
+    return {"step": step, "loss": float(metrics["loss"]),
+            "aux_loss": float(metrics["aux_loss"]), "tokens_per_s": rate,
+            "mfu": rate * flops_per_tok / peak,
+            "dropped_fraction": float(metrics["dropped_fraction"]),
+            "router_entropy": float(metrics["router_entropy"]),
+            "expert_load": np.asarray(metrics["expert_load"]).tolist()}
+
+
+def _train_loop(run: _Run, writer: MetricsWriter, row_of, log
+                ) -> tuple[list[float], list[tuple[int, float]], list[float]]:
+    """Steps ``start_step + 1 .. steps``: logs, evaluates and checkpoints on schedule.
+    ``row_of(step, metrics, seconds)`` makes a step's row. Returns (losses, (step,
+    held-out loss) pairs, seconds of each step: data + step, without evaluation and
+    checkpoints)."""
+    cfg = run.cfg
+    train_step, eval_step = make_steps(cfg.model.bias_update_rate > 0)
+    losses, evals, step_s = [], [], []
+    progress = _progress(cfg, run.main, run.start_step)
+    for step in range(run.start_step + 1, cfg.steps + 1):
         t0 = time.perf_counter()
-        metrics = jax.device_get(train_step(model, optimizer,
-                                            _global_batch(next(stream), sharding)))
+        metrics = jax.device_get(train_step(run.model, run.optimizer,
+                                            _global_batch(next(run.stream), run.sharding)))
         step_s.append(time.perf_counter() - t0)
-        rate = tokens_per_step / max(step_s[-1], 1e-9)
-        row = {"step": step, "loss": float(metrics["loss"]),
-               "aux_loss": float(metrics["aux_loss"]), "tokens_per_s": rate,
-               "mfu": rate * fpt / peak, "dropped_fraction": float(metrics["dropped_fraction"]),
-               "router_entropy": float(metrics["router_entropy"]),
-               "expert_load": np.asarray(metrics["expert_load"]).tolist()}
+        row = row_of(step, metrics, step_s[-1])
         writer.write(row)
         if not np.isfinite(row["loss"]):
             raise FloatingPointError(f"step {step}: the training loss is {row['loss']}; lower "
@@ -275,44 +338,73 @@ def train(cfg: TrainConfig, *, log=print) -> RunResult:
         losses.append(row["loss"])
         progress(step, row, log)
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            evals.append((step, evaluate()))
+            evals.append((step, _evaluate(run, eval_step)))
             writer.write({"step": step, "eval_loss": evals[-1][1]})
-            if main:
+            if run.main:
                 log(f"step {step}: held-out loss {evals[-1][1]:.3f}")
         if step % cfg.checkpoint.every == 0 or step == cfg.steps:
-            ckpt.save(step, _state_dict(model, optimizer), stream.get_state(),
-                      {"name": cfg.name, "config": run_identity(cfg)})
-    ckpt.wait()
-    ckpt.close()
+            run.ckpt.save(step, _state_dict(run.model, run.optimizer), run.stream.get_state(),
+                          {"name": cfg.name, "config": run_identity(cfg)})
+    return losses, evals, step_s
+
+
+def _summary(run: _Run, losses, evals, step_s, rows) -> dict[str, Any]:
+    """summary.json's content (without the plots) from the run's losses, (step,
+    held-out loss) pairs, step seconds and metrics rows."""
     steady = step_s[1:] or step_s  # the first step compiles
-    drops = [r["dropped_fraction"] for r in writer.rows if "dropped_fraction" in r]
-    summary = {"name": cfg.name, "steps": cfg.steps, "first_step": start_step + 1,
-               "final_loss": float(np.mean(losses[-10:])),
-               "first_loss": losses[0],
-               "eval_loss": evals[-1][1],
-               "tokens_per_s": len(steady) * tokens_per_step / sum(steady),
-               "first_step_s": step_s[0],
-               "dropped_fraction": float(np.mean(drops[-len(losses):])),
-               "devices": len(devices), "processes": nproc,
-               "mesh": None if mesh is None else dict(mesh.shape),
-               "out_dir": str(out_dir), "checkpoints": str(out_dir / "checkpoints"),
-               "metrics": str(out_dir / "metrics.jsonl"),
-               "tensorboard": str(out_dir / "tensorboard")}
+    drops = [r["dropped_fraction"] for r in rows if "dropped_fraction" in r]
+    out_dir = run.out_dir
+    return {"name": run.cfg.name, "steps": run.cfg.steps, "first_step": run.start_step + 1,
+            "final_loss": float(np.mean(losses[-10:])),
+            "first_loss": losses[0],
+            "eval_loss": evals[-1][1],
+            "tokens_per_s": len(steady) * run.tokens_per_step / sum(steady),
+            "first_step_s": step_s[0],
+            "dropped_fraction": float(np.mean(drops[-len(losses):])),
+            "devices": len(run.devices), "processes": run.nproc,
+            "mesh": None if run.mesh is None else dict(run.mesh.shape),
+            "out_dir": str(out_dir), "checkpoints": str(out_dir / "checkpoints"),
+            "metrics": str(out_dir / "metrics.jsonl"),
+            "tensorboard": str(out_dir / "tensorboard")}
+
+
+def _report(out_dir: Path, summary: dict[str, Any], rows, log) -> None:
+    """Plots, summary.json and the closing log lines (main process)."""
+    summary["plots"] = [str(p) for p in plot_run(rows, out_dir)]
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    log(f"done: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} "
+        f"(last 10 steps), held-out {summary['eval_loss']:.3f}, "
+        f"{summary['tokens_per_s']:,.0f} tokens/s after the first step "
+        f"({summary['first_step_s']:.1f} s with compilation), "
+        f"{100 * summary['dropped_fraction']:.1f}% of expert assignments dropped")
+    log(f"checkpoints: {summary['checkpoints']}\nmetrics: {summary['metrics']} "
+        f"(TensorBoard: {summary['tensorboard']})\nplots: {', '.join(summary['plots'])}\n"
+        f"summary: {out_dir / 'summary.json'}")
+
+
+def train(cfg: TrainConfig, *, log=print) -> RunResult:
+    """Run ``cfg`` (see the module docstring); returns losses and the summary."""
+    run = _set_up(cfg)
+    writer = MetricsWriter(run.out_dir, enabled=run.main, start_step=run.start_step)
+    device = run.devices[0]
+    peak = matmul_flops(device, jnp.dtype(cfg.model.dtype)) * (
+        1 if device.platform == "cpu" else len(run.devices))
+    fpt = flops_per_token(cfg, run.vocab)
+    _announce(run, log)
+
+    def row_of(step, metrics, seconds):
+        return step_row(step, metrics, seconds, run.tokens_per_step, fpt, peak)
+
+    losses, evals, step_s = _train_loop(run, writer, row_of, log)
+    run.ckpt.wait()
+    run.ckpt.close()
+    summary = _summary(run, losses, evals, step_s, writer.rows)
     writer.close()
-    if nproc > 1:  # every process's view of the global loss: they must agree
-        log(f"process {proc} losses {json.dumps(losses)}")
-    if main:
-        summary["plots"] = [str(p) for p in plot_run(writer.rows, out_dir)]
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-        log(f"done: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} "
-            f"(last 10 steps), held-out {summary['eval_loss']:.3f}, "
-            f"{summary['tokens_per_s']:,.0f} tokens/s after the first step "
-            f"({summary['first_step_s']:.1f} s with compilation), "
-            f"{100 * summary['dropped_fraction']:.1f}% of expert assignments dropped")
-        log(f"checkpoints: {summary['checkpoints']}\nmetrics: {summary['metrics']} "
-            f"(TensorBoard: {summary['tensorboard']})\nplots: {', '.join(summary['plots'])}\n"
-            f"summary: {out_dir / 'summary.json'}")
-    return RunResult(losses, evals, out_dir, summary)
+    if run.nproc > 1:  # every process's view of the global loss: they must agree
+        log(f"process {run.proc} losses {json.dumps(losses)}")
+    if run.main:
+        _report(run.out_dir, summary, writer.rows, log)
+    return RunResult(losses, evals, run.out_dir, summary)
 
 
 def _restore_pure(model, optimizer, state) -> None:
