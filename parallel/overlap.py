@@ -84,7 +84,7 @@ def num_chunks_from_plan(plan: Any, op: str = "dispatch") -> int:
     """k for the layer: the Lancet partition count of ``op`` in a planner ``Plan``.
 
     ``plan.partitions`` is ``aristax.planner.lancet.PartitionPlan`` over
-    ``plan.op_names`` (the block ops of ``aristax.planner.plan.block_ops``); the
+    ``plan.op_names`` (the block ops of ``aristax.planner.costs.block_ops``); the
     dispatch all-to-all's count is the number of chunks the exchange runs in.
     """
     names = tuple(getattr(plan, "op_names", ()))

@@ -14,11 +14,19 @@ e.g. ``perlmutter:4`` (4 nodes), ``dgx_h100:2``, ``heterogeneous_mix:1,2``. The 
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 from pathlib import Path
 
-from aristax.planner.plan import ModelSpec, Plan, make_plan
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from aristax.planner.plan import make_plan
+from aristax.planner.plot import plot_plan
 from aristax.planner.simulate import simulate
+from aristax.planner.spec import ModelSpec, Plan
 from aristax.planner.topology import PRESETS, Topology
 
 
@@ -49,10 +57,6 @@ def plan_tables(plan: Plan, topology: Topology, iteration: float | None = None) 
     #exp, experts), the group table (size, rounds, dispatch us), partitions and the
     simulated iteration time. Tables use ``box.SIMPLE`` (no vertical rules), so each
     row stays one whitespace-separated line in logs."""
-    from rich import box
-    from rich.table import Table
-    from rich.text import Text
-
     out: list = [Text(f"plan for {topology.name}: {plan.num_devices} devices, {plan.num_experts} experts, "
                       f"{len(plan.groups)} groups (grouping: {plan.meta.get('grouping', '?')})", style="bold")]
     dev = Table(title="devices", box=box.SIMPLE, title_justify="left")
@@ -81,10 +85,6 @@ def plan_tables(plan: Plan, topology: Topology, iteration: float | None = None) 
 
 def format_plan(plan: Plan, topology: Topology, iteration: float | None = None, *, width: int = 120) -> str:
     """:func:`plan_tables` rendered to plain text (no colour) at ``width`` columns."""
-    import io
-
-    from rich.console import Console
-
     console = Console(file=io.StringIO(), width=width, color_system=None, force_terminal=False)
     for r in plan_tables(plan, topology, iteration):
         console.print(r)
@@ -94,8 +94,6 @@ def format_plan(plan: Plan, topology: Topology, iteration: float | None = None, 
 def run(args: argparse.Namespace) -> int:
     """Build the plan, print the tables, write JSON / PNG if asked. Returns 0, or 2
     after printing why the arguments are invalid."""
-    from rich.console import Console
-
     try:  # bad arguments and infeasible plans: a message, not a traceback
         topology = parse_topology(args.topology)
         model = ModelSpec(num_experts=args.experts, top_k=args.top_k, d_model=args.d_model,
@@ -113,8 +111,6 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json).write_text(plan.to_json(indent=1))
         console.print(f"wrote {args.json}")
     if args.png:
-        from aristax.planner.plot import plot_plan
-
         plot_plan(plan, topology, model, args.png)
         console.print(f"wrote {args.png}")
     return 0

@@ -360,6 +360,77 @@ class _Search:
         return out
 
 
+def _check_group_args(topology: Topology, workload: Workload, policy: str, chunk) -> None:
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}.")
+    if not isinstance(chunk, (int, np.integer)) or chunk < 1:
+        raise ValueError(f"chunk (edges scanned per batch) must be a positive integer, got {chunk!r}.")
+    total_cap = int(topology.expert_capacity.sum())
+    if total_cap < workload.num_experts:
+        raise ValueError(
+            f"the cluster holds {total_cap} experts in total (sum of expert_capacity) but "
+            f"workload.num_experts = {workload.num_experts}; add devices or raise expert_capacity."
+        )
+
+
+def _first_accepted(st: _Search, p_lo: np.ndarray, p_hi: np.ndarray, policy: str) -> int:
+    """Index k of the first live group pair (p_lo[k], p_hi[k]) whose merge
+    :func:`merge_accepted_array` accepts, -1 when none. Pairs are costed in growing
+    stacked batches (1, 4, 16, ...): cheap when an early pair merges."""
+    n = len(st.live)
+    start, batch = 0, 1
+    while start < len(p_lo):
+        stop = min(start + batch, len(p_lo))
+        b_lo, b_hi = p_lo[start:stop], p_hi[start:stop]
+        s_u, s_v = st.size[b_lo], st.size[b_hi]
+        t_u = st.total(st.local[b_lo], n, s_u)
+        t_v = st.total(st.local[b_hi], n, s_v)
+        t_uv = st.total(st.merged_local(b_lo, b_hi), n - 1, s_u + s_v)
+        ok = np.flatnonzero(merge_accepted_array(policy, t_u, t_v, t_uv))
+        if ok.size:
+            return start + int(ok[0])
+        start, batch = stop, batch * 4
+    return -1
+
+
+def _scan_edges(st: _Search, uf, gid: np.ndarray, eu: np.ndarray, ev: np.ndarray, pos: int,
+                end: int, policy: str) -> int:
+    """Scans edges [pos, end) of the Kruskal order (device pairs eu[k], ev[k]), skipping
+    intra-group edges and repeated group pairs, and merges the groups of the first edge
+    accepted (updating ``st``, the union-find ``uf`` and ``gid``, the live group id of
+    each device). Returns where the scan resumes: just past that edge, else ``end``."""
+    gu, gv = gid[eu[pos:end]], gid[ev[pos:end]]
+    idx = np.flatnonzero(gu != gv)
+    if idx.size == 0:
+        return end
+    lo, hi = np.minimum(gu[idx], gv[idx]), np.maximum(gu[idx], gv[idx])
+    _, first = np.unique(lo * (2 * len(gid) + 1) + hi, return_index=True)
+    first = np.sort(first)
+    k = _first_accepted(st, lo[first], hi[first], policy)
+    if k < 0:
+        return end
+    new = st.union(int(lo[first[k]]), int(hi[first[k]]))
+    gid[st.group(new)] = new
+    edge = pos + int(idx[first[k]])
+    uf.union(int(eu[edge]), int(ev[edge]))
+    return edge + 1
+
+
+def _join_infeasible(st: _Search, uf) -> None:
+    """Each group left that cannot hold every expert joins the group whose union is
+    cheapest (first by smallest device on ties), smallest-device group first."""
+    while True:
+        bad = sorted((g for g in st.live if math.isinf(st.local[g])), key=lambda g: st.group(g)[0])
+        if not bad:
+            return
+        a = bad[0]
+        others = np.array(sorted((g for g in st.live if g != a), key=lambda g: st.group(g)[0]))
+        lo, hi = np.minimum(others, a), np.maximum(others, a)
+        b = int(others[int(np.argmin(st.merged_local(lo, hi)))])  # argmin: first (smallest device) on ties
+        uf.union(int(st.group(a)[0]), int(st.group(b)[0]))
+        st.union(a, b)
+
+
 def lysi_group(
     topology: Topology,
     workload: Workload,
@@ -380,63 +451,15 @@ def lysi_group(
     to the edge-by-edge loop, since nothing changes between two unions).
     Raises ValueError when the whole cluster cannot hold num_experts.
     """
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}.")
-    if not isinstance(chunk, (int, np.integer)) or chunk < 1:
-        raise ValueError(f"chunk (edges scanned per batch) must be a positive integer, got {chunk!r}.")
-    total_cap = int(topology.expert_capacity.sum())
-    if total_cap < workload.num_experts:
-        raise ValueError(
-            f"the cluster holds {total_cap} experts in total (sum of expert_capacity) but "
-            f"workload.num_experts = {workload.num_experts}; add devices or raise expert_capacity."
-        )
-    nv = topology.num_devices
+    _check_group_args(topology, workload, policy, chunk)
     st = _Search(topology, workload)
-    uf = nx.utils.UnionFind(range(nv))
-    gid = np.arange(nv, dtype=np.int64)  # snapshot of the live group id of each device
+    uf = nx.utils.UnionFind(range(topology.num_devices))
+    gid = np.arange(topology.num_devices, dtype=np.int64)  # live group id of each device
     eu, ev, _ = edge_order(topology, workload)
-    pos, n_edges = 0, len(eu)
-    while pos < n_edges and len(st.live) > 1:
-        end = min(pos + chunk, n_edges)
-        gu, gv = gid[eu[pos:end]], gid[ev[pos:end]]
-        idx = np.flatnonzero(gu != gv)
-        if idx.size == 0:
-            pos = end
-            continue
-        lo, hi = np.minimum(gu[idx], gv[idx]), np.maximum(gu[idx], gv[idx])
-        _, first = np.unique(lo * (2 * nv + 1) + hi, return_index=True)
-        first = np.sort(first)
-        p_lo, p_hi = lo[first], hi[first]
-        n = len(st.live)
-        merged_at, start, batch = -1, 0, 1
-        while start < len(first):  # growing batches: cheap when the first pair merges
-            stop = min(start + batch, len(first))
-            b_lo, b_hi = p_lo[start:stop], p_hi[start:stop]
-            s_u, s_v = st.size[b_lo], st.size[b_hi]
-            t_u = st.total(st.local[b_lo], n, s_u)
-            t_v = st.total(st.local[b_hi], n, s_v)
-            t_uv = st.total(st.merged_local(b_lo, b_hi), n - 1, s_u + s_v)
-            ok = np.flatnonzero(merge_accepted_array(policy, t_u, t_v, t_uv))
-            if ok.size:
-                k = start + int(ok[0])
-                new = st.union(int(p_lo[k]), int(p_hi[k]))
-                gid[st.group(new)] = new
-                merged_at = int(idx[first[k]])
-                uf.union(int(eu[pos + merged_at]), int(ev[pos + merged_at]))
-                break
-            start, batch = stop, batch * 4
-        pos = pos + merged_at + 1 if merged_at >= 0 else end
-    # an infeasible group left over joins the group whose union is cheapest
-    while True:
-        bad = sorted((g for g in st.live if math.isinf(st.local[g])), key=lambda g: st.group(g)[0])
-        if not bad:
-            break
-        a = bad[0]
-        others = np.array(sorted((g for g in st.live if g != a), key=lambda g: st.group(g)[0]))
-        lo, hi = np.minimum(others, a), np.maximum(others, a)
-        b = int(others[int(np.argmin(st.merged_local(lo, hi)))])  # argmin: first (smallest device) on ties
-        uf.union(int(st.group(a)[0]), int(st.group(b)[0]))
-        st.union(a, b)
+    pos = 0
+    while pos < len(eu) and len(st.live) > 1:
+        pos = _scan_edges(st, uf, gid, eu, ev, pos, min(pos + chunk, len(eu)), policy)
+    _join_infeasible(st, uf)  # an infeasible group left over joins the cheapest union
     result = sorted(sorted(int(x) for x in s) for s in uf.to_sets())
     expected = sorted(st.group(g).tolist() for g in st.live)
     assert result == expected, "union-find and group table disagree"

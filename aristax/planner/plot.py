@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from aristax.planner.plan import ModelSpec, Plan
+from aristax.planner.spec import ModelSpec, Plan
 from aristax.planner.topology import Topology
 
 INSTALL_HINT = "pip install 'aristax[plot]'"
@@ -68,16 +68,15 @@ def slowest_group(plan: Plan) -> int:
 
 
 # ---------------------------------------------------------------------- panels
-def _heatmap(ax, fig, plan: Plan, topology: Topology, model: ModelSpec) -> None:
+def _heatmap(ax, fig, plan: Plan, topology: Topology, model: ModelSpec, rectangle) -> None:
+    """``rectangle``: matplotlib's Rectangle patch class (``plt.Rectangle``)."""
     order, spans = group_order(plan)
     nbytes = message_bytes(plan, model)
     t = topology.p2p_time(nbytes)[np.ix_(order, order)] * 1e6
     im = ax.imshow(t, cmap="viridis", interpolation="nearest")
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label="alpha + beta * bytes (us)")
-    from matplotlib.patches import Rectangle
-
     for k, (a, b) in enumerate(spans):
-        ax.add_patch(Rectangle((a - 0.5, a - 0.5), b - a, b - a, fill=False, edgecolor="red", linewidth=2))
+        ax.add_patch(rectangle((a - 0.5, a - 0.5), b - a, b - a, fill=False, edgecolor="red", linewidth=2))
         ax.text(a - 0.4, a - 0.2, f"g{k}", color="red", fontsize=9, va="top", fontweight="bold")
     step = max(1, len(order) // 16)
     ticks = np.arange(0, len(order), step)
@@ -154,7 +153,7 @@ def plot_plan(plan: Plan, topology: Topology, model: ModelSpec, path: str | Path
     colors = plt.get_cmap("tab10")
     fig, axes = plt.subplots(1, 3, figsize=(20, 6.5), gridspec_kw={"width_ratios": [1.1, 1, 1.3]})
     try:
-        _heatmap(axes[0], fig, plan, topology, model)
+        _heatmap(axes[0], fig, plan, topology, model, plt.Rectangle)
         _experts(axes[1], plan, topology, colors)
         _gantt(axes[2], plan, g, plt.get_cmap("Pastel1"))  # round colours, unlike group colours
         fig.suptitle(f"aristax plan: {topology.name}, {plan.num_devices} devices, "

@@ -1,13 +1,13 @@
-"""Iteration-time model of a :class:`~aristax.planner.plan.Plan` (the same equations).
+"""Iteration-time model of a :class:`~aristax.planner.spec.Plan` (the same equations).
 
 One MoE layer execution in group g (Aristos eq. 4, with the plan's actual placement
 and transmission order instead of eq. 4's idealised terms):
 
     layer_g = compute_g + dispatch_g + combine_g
-    compute_g  = max_w (expert FLOPs on w) / F_w          (plan.expert_compute; eq. 4's
+    compute_g  = max_w (expert FLOPs on w) / F_w          (costs.expert_compute; eq. 4's
                  pi(g) = sum f / sum F when the placement is perfectly balanced)
     dispatch_g = makespan of the dispatch all-to-all of the time matrix
-                 t_ij = alpha_ij + d_ij beta_ij  (plan.dispatch_times)
+                 t_ij = alpha_ij + d_ij beta_ij  (costs.dispatch_times)
     combine_g  = the same for the transpose (tokens travel back)
 
     iteration = gamma(W) * max_g layer_g + T_rho(|G|)      (eq. 1, eq. 4 Rabenseifner)
@@ -36,8 +36,9 @@ import dataclasses
 import numpy as np
 
 from aristax.planner import aurora
+from aristax.planner.costs import dispatch_times, expert_compute
 from aristax.planner.lysi import allreduce_time
-from aristax.planner.plan import ModelSpec, Plan, dispatch_times, expert_compute
+from aristax.planner.spec import ModelSpec, Plan
 from aristax.planner.topology import Topology
 
 ORDERS = ("plan", "aurora", "random", "sjf")
@@ -140,26 +141,3 @@ def simulate(plan: Plan, topology: Topology, model: ModelSpec, *, order: str = "
     return SimResult(tuple(comp), tuple(disp), tuple(comb), tuple(layer), float(ar), float(gamma),
                      float(gamma * max(layer) + ar))
 
-
-def compare(topology: Topology, model: ModelSpec, *, seed: int = 0) -> dict[str, float]:
-    """Simulated iteration time of the planner's plan and of the seeds' baselines.
-
-    Keys: "planner" (make_plan, select="best"); "lysi_group" (select="lysi"); groupings of Aristos Fig. 3 with LysiAssign and the
-    Aurora order: "single_node", "world", "minimal"; Aurora 8 baselines on the
-    planner's groups: "random_assign" (RGA), "random_order" (RCS), "sjf_order" (SJF).
-    """
-    from aristax.planner.plan import baseline_groups, make_plan
-
-    plan = make_plan(topology, model)
-    out = {"planner": simulate(plan, topology, model).iteration}
-    lysi = make_plan(topology, model, select="lysi")
-    out["lysi_group"] = simulate(lysi, topology, model).iteration
-    for kind in ("single_node", "world", "minimal"):
-        groups = baseline_groups(topology, model.num_experts, kind)
-        out[kind] = simulate(make_plan(topology, model, groups=groups), topology, model).iteration
-    if model.num_replicas is None:
-        rga = make_plan(topology, model, groups=plan.groups, assign="random", seed=seed)
-        out["random_assign"] = simulate(rga, topology, model).iteration
-    out["random_order"] = simulate(plan, topology, model, order="random", seed=seed).iteration
-    out["sjf_order"] = simulate(plan, topology, model, order="sjf").iteration
-    return out

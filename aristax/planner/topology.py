@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 
 MB = 1e6  # the Aristos alpha-beta numbers are quoted per (decimal) megabyte
 
@@ -167,8 +168,6 @@ class Topology:
         """Write JSON (``.json``) or YAML (``.yaml``/``.yml``)."""
         path = Path(path)
         if path.suffix in (".yaml", ".yml"):
-            import yaml
-
             path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
         elif path.suffix == ".json":
             path.write_text(json.dumps(self.to_dict()))
@@ -180,8 +179,6 @@ class Topology:
         path = Path(path)
         text = path.read_text()
         if path.suffix in (".yaml", ".yml"):
-            import yaml
-
             data = yaml.safe_load(text)
         elif path.suffix == ".json":
             data = json.loads(text)

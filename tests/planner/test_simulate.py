@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from aristax.planner import ModelSpec, make_plan, simulate
 from aristax.planner.aurora import lower_bound
 from aristax.planner.lysi import partition_cost
-from aristax.planner.simulate import compare, list_schedule, order_time
+from aristax.planner.plan import compare
+from aristax.planner.simulate import list_schedule, order_time
 from aristax.planner.topology import dgx_h100, heterogeneous_mix, perlmutter, uniform
 
 ALPHA, BETA, FLOPS = 1e-5, 1e-11, 1e14
