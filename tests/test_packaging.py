@@ -114,3 +114,61 @@ def test_kernel_backends_share_only_public_code():
         if family is not None:
             other = {n for n in _aristax_imports(path) if families[family] in n}
             assert not other, (path, other)
+
+
+SOURCE_DIRS = ("aristax", "parallel", "pallas_kernels")
+MAX_FUNCTION_LINES = 80
+
+
+def _functions(root: pathlib.Path, folders):
+    """(path, function node) for every function and method, nested ones too, in the
+    .py files under ``root / folder`` for each folder."""
+    for folder in folders:
+        for path in sorted((root / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    yield path, node
+
+
+def long_functions(root: pathlib.Path = ROOT) -> list[str]:
+    """"path:line name (N lines)" for each function longer than MAX_FUNCTION_LINES, counted
+    from its def line to its last line."""
+    return [f"{path.relative_to(root)}:{fn.lineno} {fn.name} "
+            f"({fn.end_lineno - fn.lineno + 1} lines)"
+            for path, fn in _functions(root, SOURCE_DIRS + ("experiments/benchmarks",))
+            if fn.end_lineno - fn.lineno + 1 > MAX_FUNCTION_LINES]
+
+
+def function_level_aristax_imports(root: pathlib.Path = ROOT) -> list[str]:
+    """"path:line function: import" for each import of an aristax module (or a relative
+    one) inside a function body. Module-level imports, ``if TYPE_CHECKING:`` ones
+    included, are not listed."""
+    found = []
+    for path, fn in _functions(root, SOURCE_DIRS):
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = ["aristax." if node.level else node.module or ""]
+            else:
+                continue
+            if any(n == "aristax" or n.startswith("aristax.") for n in names):
+                found.append(f"{path.relative_to(root)}:{node.lineno} {fn.name}: "
+                             f"{ast.unparse(node)}")
+    return found
+
+
+def test_no_function_is_longer_than_80_lines():
+    """Issue 30: no function (def line to last line, methods and nested functions
+    included) over 80 lines in the library, the kernels, parallel and the benchmarks."""
+    long = long_functions()
+    print("\n".join(long))
+    assert long == [], "functions over 80 lines:\n" + "\n".join(long)
+
+
+def test_no_aristax_import_inside_a_function():
+    """Issue 30: aristax modules are imported at module level only (a command's heavy
+    handler module is imported by name when it runs: ``aristax.cli.resolve``)."""
+    inside = function_level_aristax_imports()
+    print("\n".join(inside))
+    assert inside == [], "aristax imports inside functions:\n" + "\n".join(inside)

@@ -14,7 +14,12 @@ import json
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
+
+from aristax.config import check_float_dtype
+from aristax.models.generate import generate_with_stats
+from aristax.models.mixtral import Mixtral
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -49,8 +54,6 @@ def _tokenizer(checkpoint: Path):
 
 def _check_flags(args: argparse.Namespace) -> None:
     """The flags' ranges, before the checkpoint is read."""
-    from aristax.config import check_float_dtype
-
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
     if args.temperature < 0:
@@ -74,11 +77,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import jax
-
-    from aristax.models.generate import generate_with_stats
-    from aristax.models.mixtral import Mixtral
-
     checkpoint = Path(args.checkpoint)
     tokenizer = _tokenizer(checkpoint) if args.text is not None else None
     prompt = tokenizer.encode(args.text).ids if tokenizer is not None else args.ids

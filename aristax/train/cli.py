@@ -6,11 +6,12 @@ import argparse
 import sys
 from pathlib import Path
 
+from aristax.train import ConfigError, load_config, train
+from aristax.train.launch import launch
+
 
 def _config(args: argparse.Namespace):
     """The config of ``args``, or None after printing why it is invalid."""
-    from aristax.train import ConfigError, load_config
-
     try:
         return load_config(args.config, args.overrides)
     except (ConfigError, FileNotFoundError) as err:
@@ -19,10 +20,6 @@ def _config(args: argparse.Namespace):
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from aristax.train import train
-
-    from aristax.train import ConfigError
-
     cfg = _config(args)
     if cfg is None:
         return 2
@@ -38,8 +35,6 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def run_launch(args: argparse.Namespace) -> int:
-    from aristax.train.launch import launch
-
     cfg = _config(args)
     if cfg is None:
         return 2

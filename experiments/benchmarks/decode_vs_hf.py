@@ -417,118 +417,163 @@ def strip(d: dict) -> dict:
     return {k: v for k, v in d.items() if k != "tokens"}
 
 
-def main(args):
-    result = {"machine": machine_info(), "args": {k: v for k, v in vars(args).items()}}
-    cfg = tiny_mistral(args.layers, args.experts)
-    result["model"] = {k: getattr(cfg, k) for k in (
+def model_fields(cfg: MixtralConfig) -> dict:
+    """The config fields the result records under "model"."""
+    return {k: getattr(cfg, k) for k in (
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
         "num_attention_heads", "num_key_value_heads", "num_local_experts",
         "num_experts_per_tok", "dtype")}
+
+
+def load_peer(model, machine: dict, no_hf: bool):
+    """The HF eager twin of ``model`` (``load_hf``), or None with ``--no-hf`` or without
+    torch beside JAX (said on stderr)."""
+    if TORCH_DEVICE is None and not no_hf:
+        log(f"no torch on {jax.default_backend()}: Hugging Face left out")
+    return None if no_hf or TORCH_DEVICE is None else load_hf(model, machine)
+
+
+def decode_round(model, prompt, weights, hf, new_tokens: int, nbytes: int, probe,
+                 floor) -> dict:
+    """One round of (bandwidth, GEMV floor, aristax decode, HF decode) and the ratios of
+    the decodes to this round's roofline, to the GEMV floor and to each other."""
+    bw = probe(30)
+    roofline = 1e3 * nbytes / (bw["gb_per_s_best"] * 1e9)
+    fl = floor(10)
+    ours = ours_decode(model, prompt, new_tokens, weights, repeats=1)
+    rnd = {"bandwidth": bw, "roofline_ms": roofline, "ours": strip(ours),
+           **ratios("ours", ours, roofline), "gemv_floor": fl,
+           "gemv_floor_ms": fl["ms"],
+           "ours_over_gemv_floor_median": ours["ms_per_token_median"] / fl["ms"]}
+    if hf is not None:
+        ref = hf_decode(hf, prompt, new_tokens)
+        same = (ours["tokens"] == ref["tokens"])[0]
+        rnd.update(hf=strip(ref), **ratios("hf", ref, roofline),
+                   ours_over_hf=ours["ms_per_token"] / ref["ms_per_token"],
+                   greedy_tokens_agree_prefix=int(np.argmin(same)) if not same.all()
+                   else int(same.size), tokens_compared=int(same.size))
+    return rnd
+
+
+def batch1_rounds(model, prompt, weights, hf, new_tokens: int, nbytes: int, probe, floor,
+                  rounds: int) -> dict:
+    """The result's "roofline" and "decode_b1" entries: ``rounds`` rounds of
+    ``decode_round`` (the other tenants' load on this machine drifts, so each round's
+    ratios compare measurements seconds apart) and the median of each ratio over them."""
+    rows = []
+    for r in range(rounds):
+        log(f"round {r + 1}/{rounds}: bandwidth, aristax decode, HF decode ...")
+        rnd = decode_round(model, prompt, weights, hf, new_tokens, nbytes, probe, floor)
+        log("  " + ", ".join(f"{k} {v:.3g}" for k, v in rnd.items()
+                             if isinstance(v, float)))
+        rows.append(rnd)
+    summary = {k: float(np.median([rnd[k] for rnd in rows]))
+               for k, v in rows[0].items() if isinstance(v, float)}
+    res = {"roofline": {"bytes_per_token": nbytes,
+                        "ms_per_token_median_of_rounds": summary.pop("roofline_ms")},
+           "decode_b1": {"median_of_rounds": summary, "rounds": rows}}
+    if hf is not None:
+        res["decode_b1"]["greedy_tokens_agree_prefix_min"] = min(
+            rnd["greedy_tokens_agree_prefix"] for rnd in rows)
+    return res
+
+
+def logged_windows(model, prompt, weights, cfg, probe, floor, windows: int,
+                   tokens: int) -> dict:
+    """``paired_windows``, with its progress and quartiles on stderr."""
+    log(f"{windows} paired windows of bandwidth, {tokens}-token decode, bandwidth ...")
+    paired = paired_windows(model, prompt, weights, cfg, probe, floor, windows, tokens)
+    for key in ("ours_over_roofline", "gemv_floor_over_roofline", "ours_over_gemv_floor"):
+        log(f"  {key}: p25 {paired[key + '_p25']:.3f} median "
+            f"{paired[key + '_median']:.3f} p75 {paired[key + '_p75']:.3f}")
+    return paired
+
+
+def batch_decode(model, weights, hf, bprompt, new_tokens: int) -> dict:
+    """Batched decode of ``bprompt`` [B, S] (at most 32 new tokens), aristax and HF."""
+    log(f"batch {bprompt.shape[0]} decode ...")
+    new = min(new_tokens, 32)
+    bo = ours_decode(model, bprompt, new, weights)
+    res = {"batch": bprompt.shape[0], "new_tokens": new, "ours": strip(bo)}
+    if hf is not None:
+        bh = hf_decode(hf, bprompt, new)
+        res.update(hf=strip(bh), ours_over_hf=bo["ms_per_token"] / bh["ms_per_token"])
+    log(f"  {res}")
+    return res
+
+
+def experts_sweep(sweep: list[int], prompt, layers: int, new_tokens: int,
+                  rounds: int) -> dict:
+    """Decode latency vs number of experts: all models at once (``layers`` layers to fit
+    in memory), measured round-robin so that other processes' load hits every E alike."""
+    models = {}
+    for E in sweep:
+        log(f"experts sweep: building E={E} ({layers} layers) ...")
+        m = build(tiny_mistral(layers, E), seed=E)
+        models[E] = (m, m.decode_weights())
+        generate_with_stats(m, prompt, 2, decode_weights=models[E][1])  # compile
+    steps = {E: [] for E in sweep}
+    new = min(new_tokens, 32)
+    for _ in range(rounds):
+        for E, (m, w) in models.items():
+            steps[E] += generate_with_stats(m, prompt, new, decode_weights=w)[1].step_s
+    rows = [{"experts": E, **step_stats(steps[E], 1)} for E in sweep]
+    flat = {}
+    for key in ("ms_per_token", "ms_per_token_median", "ms_per_token_min"):
+        ms = [r[key] for r in rows]
+        flat[key] = max(ms) / min(ms)
+    res = {"top_k": 2, "layers": layers, "rows": rows, "max_over_min": flat}
+    log(f"  {res}")
+    return res
+
+
+def write_result(result: dict, out: str | None) -> None:
+    """``result`` as JSON to ``out`` (default results/decode_vs_hf_<backend>.json beside
+    this script), and all but its machine and args on stderr."""
+    out = out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                              f"decode_vs_hf_{jax.default_backend()}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2, default=float)
+    log(json.dumps({k: result[k] for k in result if k not in ("machine", "args")},
+                   indent=1, default=float))
+
+
+def main(args):
+    result = {"machine": machine_info(), "args": {k: v for k, v in vars(args).items()}}
+    cfg = tiny_mistral(args.layers, args.experts)
+    result["model"] = model_fields(cfg)
     model = build(cfg)
     weights = model.decode_weights()
-    if TORCH_DEVICE is None and not args.no_hf:
-        log(f"no torch on {jax.default_backend()}: Hugging Face left out")
-    hf = None if args.no_hf or TORCH_DEVICE is None else load_hf(model, result["machine"])
+    hf = load_peer(model, result["machine"], args.no_hf)
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, cfg.vocab_size, size=(1, args.prompt)).astype(np.int32)
-    cache_len = args.prompt + args.new_tokens
-    nbytes = weight_bytes_per_token(cfg, cache_len)
-    # Rounds of (bandwidth, GEMV floor, aristax, HF): the other tenants' load on this machine
-    # drifts, so each round's ratios compare measurements seconds apart (and the paired
-    # windows below, under a second apart). First compile both steps at this cache length.
+    nbytes = weight_bytes_per_token(cfg, args.prompt + args.new_tokens)
+    # First compile both steps at this cache length; then rounds, and the paired windows
+    # (measurements under a second apart).
     generate_with_stats(model, prompt, args.new_tokens, decode_weights=weights)
     probe = bandwidth_probe()
     floor = gemv_floor_probe(weights, cfg.num_experts_per_tok)
-    rounds = []
-    for r in range(args.rounds):
-        log(f"round {r + 1}/{args.rounds}: bandwidth, aristax decode, HF decode ...")
-        bw = probe(30)
-        roofline = 1e3 * nbytes / (bw["gb_per_s_best"] * 1e9)
-        fl = floor(10)
-        ours = ours_decode(model, prompt, args.new_tokens, weights, repeats=1)
-        rnd = {"bandwidth": bw, "roofline_ms": roofline, "ours": strip(ours),
-               **ratios("ours", ours, roofline), "gemv_floor": fl,
-               "gemv_floor_ms": fl["ms"],
-               "ours_over_gemv_floor_median": ours["ms_per_token_median"] / fl["ms"]}
-        if hf is not None:
-            ref = hf_decode(hf, prompt, args.new_tokens)
-            same = (ours["tokens"] == ref["tokens"])[0]
-            rnd.update(hf=strip(ref), **ratios("hf", ref, roofline),
-                       ours_over_hf=ours["ms_per_token"] / ref["ms_per_token"],
-                       greedy_tokens_agree_prefix=int(np.argmin(same)) if not same.all()
-                       else int(same.size), tokens_compared=int(same.size))
-        log("  " + ", ".join(f"{k} {v:.3g}" for k, v in rnd.items()
-                             if isinstance(v, float)))
-        rounds.append(rnd)
-    summary = {k: float(np.median([rnd[k] for rnd in rounds]))
-               for k, v in rounds[0].items() if isinstance(v, float)}
-    result["roofline"] = {"bytes_per_token": nbytes,
-                          "ms_per_token_median_of_rounds": summary.pop("roofline_ms")}
-    result["decode_b1"] = {"median_of_rounds": summary, "rounds": rounds}
-    if hf is not None:
-        result["decode_b1"]["greedy_tokens_agree_prefix_min"] = min(
-            rnd["greedy_tokens_agree_prefix"] for rnd in rounds)
+    result.update(batch1_rounds(model, prompt, weights, hf, args.new_tokens, nbytes, probe,
+                                floor, args.rounds))
     if args.windows:
-        log(f"{args.windows} paired windows of bandwidth, {args.window_tokens}-token decode, "
-            "bandwidth ...")
-        paired = paired_windows(model, prompt, weights, cfg, probe, floor, args.windows,
-                                args.window_tokens)
-        result["decode_b1_paired"] = paired
-        for key in ("ours_over_roofline", "gemv_floor_over_roofline", "ours_over_gemv_floor"):
-            log(f"  {key}: p25 {paired[key + '_p25']:.3f} median "
-                f"{paired[key + '_median']:.3f} p75 {paired[key + '_p75']:.3f}")
-
+        result["decode_b1_paired"] = logged_windows(model, prompt, weights, cfg, probe, floor,
+                                                    args.windows, args.window_tokens)
     if args.batch:
-        log(f"batch {args.batch} decode ...")
         bprompt = rng.integers(0, cfg.vocab_size, size=(args.batch, args.prompt)).astype(np.int32)
-        new = min(args.new_tokens, 32)
-        bo = ours_decode(model, bprompt, new, weights)
-        res = {"batch": args.batch, "new_tokens": new, "ours": strip(bo)}
-        if hf is not None:
-            bh = hf_decode(hf, bprompt, new)
-            res.update(hf=strip(bh), ours_over_hf=bo["ms_per_token"] / bh["ms_per_token"])
-        result["decode_batch"] = res
-        log(f"  {res}")
+        result["decode_batch"] = batch_decode(model, weights, hf, bprompt, args.new_tokens)
     if args.prefill:
         log(f"prefill {args.prefill} ...")
         pprompt = rng.integers(0, cfg.vocab_size, size=(1, args.prefill)).astype(np.int32)
         result["prefill"] = prefill_ms(model, pprompt, weights, hf)
         log(f"  {result['prefill']}")
     del hf, model, weights
-
     sweep = [int(e) for e in args.sweep_experts.split(",") if e]
     if sweep:
-        # all models at once (args.sweep_layers layers to fit in memory), measured
-        # round-robin so that other processes' load hits every E alike
-        models = {}
-        for E in sweep:
-            log(f"experts sweep: building E={E} ({args.sweep_layers} layers) ...")
-            m = build(tiny_mistral(args.sweep_layers, E), seed=E)
-            models[E] = (m, m.decode_weights())
-            generate_with_stats(m, prompt, 2, decode_weights=models[E][1])  # compile
-        steps = {E: [] for E in sweep}
-        new = min(args.new_tokens, 32)
-        for _ in range(args.sweep_rounds):
-            for E, (m, w) in models.items():
-                steps[E] += generate_with_stats(m, prompt, new, decode_weights=w)[1].step_s
-        rows = [{"experts": E, **step_stats(steps[E], 1)} for E in sweep]
-        flat = {}
-        for key in ("ms_per_token", "ms_per_token_median", "ms_per_token_min"):
-            ms = [r[key] for r in rows]
-            flat[key] = max(ms) / min(ms)
-        result["experts_sweep"] = {"top_k": 2, "layers": args.sweep_layers,
-                                   "rows": rows, "max_over_min": flat}
-        log(f"  {result['experts_sweep']}")
-        del models
-
+        result["experts_sweep"] = experts_sweep(sweep, prompt, args.sweep_layers,
+                                                args.new_tokens, args.sweep_rounds)
     result["machine"]["loadavg_at_end"] = os.getloadavg()
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"decode_vs_hf_{jax.default_backend()}.json")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=2, default=float)
-    log(json.dumps({k: result[k] for k in result if k not in ("machine", "args")},
-                   indent=1, default=float))
+    write_result(result, args.out)
     return result
 
 
