@@ -98,6 +98,29 @@ class ExpertParallelOptions:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
+# The RNG streams router jitter draws from, in order of preference.
+JITTER_STREAMS = ("jitter", "dropout", "default")
+
+
+def jitter_stream(rngs: nnx.Rngs) -> nnx.RngStream:
+    """The first stream of ``JITTER_STREAMS`` that ``rngs`` holds; a ValueError naming
+    them and the fix when it holds none."""
+    for name in JITTER_STREAMS:
+        if name in rngs:
+            return rngs[name]
+    raise ValueError(
+        f"MoEConfig.router_jitter > 0 draws from an RNG stream named one of "
+        f"{JITTER_STREAMS}; these rngs have none: add one, e.g. "
+        f"nnx.Rngs(params=0, dropout=1), or set router_jitter=0")
+
+
+def _jitter_key(rngs: nnx.Rngs | nnx.RngStream | jax.Array) -> jax.Array:
+    """A fresh key from an ``nnx.Rngs`` (its jitter stream), a stream, or a key."""
+    if isinstance(rngs, nnx.Rngs):
+        return jitter_stream(rngs)()
+    return rngs() if isinstance(rngs, nnx.RngStream) else rngs
+
+
 class MoE(nnx.Module):
     """A Mixture-of-Experts layer: ``y, aux = moe(x)`` for x[..., D].
 
@@ -105,8 +128,12 @@ class MoE(nnx.Module):
     lb_loss, seq_aux_loss, z_loss, expert_load[E], dropped_fraction, num_dropped,
     nonfinite_tokens, unchosen_tokens and router_logits[..., E]; see ``aristax.moe.moe``.
 
-    Router jitter is applied while ``deterministic`` is False (``module.train()``)
-    and ``config.router_jitter > 0``; ``module.eval()`` turns it off.
+    Router jitter (``config.router_jitter > 0``) is applied unless the layer is
+    deterministic: ``deterministic=`` of the call, else of the constructor (set by
+    ``module.eval()`` / ``module.train()``). It draws from the first RNG stream of
+    ``JITTER_STREAMS`` that ``rngs`` holds ("jitter", else "dropout", else "default":
+    ``nnx.Rngs(params=0, dropout=1)`` jitters from "dropout"), or from ``rngs=`` of the
+    call (an ``nnx.Rngs``, a stream or a key).
 
     Expert parallelism: when a mesh with an "expert" axis is active, the layer runs
     ``aristax.parallel.expert_parallel_moe`` (experts sharded over "expert", tokens
@@ -126,7 +153,7 @@ class MoE(nnx.Module):
     """
 
     def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None,
-                 plan=None):
+                 plan=None, deterministic: bool = False):
         self.config = config
         self.mesh = mesh
         self.ep_options: ExpertParallelOptions | None = None
@@ -135,8 +162,8 @@ class MoE(nnx.Module):
         self.shared_experts = (
             SharedExperts(config, rngs=rngs) if config.num_shared_experts else None
         )
-        self.jitter_rngs = rngs.fork() if config.router_jitter > 0 else None
-        self.deterministic = False
+        self.jitter_rngs = jitter_stream(rngs).fork() if config.router_jitter > 0 else None
+        self.deterministic = deterministic
         if plan is not None:
             self.apply_plan(plan)
 
@@ -180,7 +207,12 @@ class MoE(nnx.Module):
             shared_down_fd=None if shared is None else shared.down_fd[...],
         )
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def __call__(self, x: jax.Array, *, deterministic: bool | None = None,
+                 rngs: nnx.Rngs | nnx.RngStream | jax.Array | None = None,
+                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """y [..., D], aux for x [..., D]. ``deterministic``: no router jitter (None: the
+        layer's ``deterministic``). ``rngs``: where this call's jitter comes from (None:
+        the stream the layer took at construction)."""
         cfg = self.config
         check_array(x)
         if x.ndim < 1 or x.shape[-1] != cfg.d_model:
@@ -190,13 +222,16 @@ class MoE(nnx.Module):
             )
         lead = x.shape[:-1]
         seq_len = lead[-1] if len(lead) >= 2 else None
-        use_jitter = self.jitter_rngs is not None and not self.deterministic
+        deterministic = self.deterministic if deterministic is None else deterministic
+        jitter_rng = None
+        if cfg.router_jitter > 0 and not deterministic:
+            jitter_rng = _jitter_key(self.jitter_rngs if rngs is None else rngs)
         bias = self.router.balance_bias_e
         tokens = x.reshape(-1, cfg.d_model)
         y, aux = self._forward(tokens.shape[0])(
             tokens, self.params(), cfg,
             bias=None if bias is None else bias[...],
-            jitter_rng=self.jitter_rngs() if use_jitter else None,
+            jitter_rng=jitter_rng,
             seq_len=seq_len,
         )
         aux["router_logits"] = aux["router_logits"].reshape(*lead, cfg.num_experts)
@@ -270,8 +305,10 @@ def _raise_if_nonfinite(count: jax.Array) -> None:
 def moe_linen(config: MoEConfig, *, name: str | None = None):
     """The ``MoE`` layer as a Flax Linen module (through ``flax.nnx.bridge``).
 
-    Use inside a Linen model: ``y, aux = moe_linen(cfg)(x)`` with x [..., D] and y
-    [..., D] (as ``MoE``); its parameters live in the "params" collection, and ``init``
-    needs a "params" RNG.
+    Use inside a Linen model: ``y, aux = moe_linen(cfg)(x, deterministic=not train)``
+    with x [..., D] and y [..., D] (as ``MoE``); its parameters live in the "params"
+    collection, and ``init`` needs a "params" RNG. Router jitter draws, at every
+    ``apply``, from the Linen RNG named "jitter", else "dropout" (``apply(...,
+    rngs={"dropout": key})``), and is off with ``deterministic=True``.
     """
     return bridge.to_linen(MoE, config, name=name)

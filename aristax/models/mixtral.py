@@ -31,6 +31,7 @@ from flax import nnx
 from aristax import MoE, MoEConfig
 from aristax import routing as routing_lib
 from aristax.config import RouterConfig
+from aristax.layers import jitter_stream
 from aristax.models import hf, sparse_moe
 from aristax.models.mixtral_config import MixtralConfig
 
@@ -293,7 +294,9 @@ class DecoderLayer(nnx.Module):
     In training mode (``deterministic`` False, ``model.train()``) with
     ``router_jitter_noise`` eps > 0 the MoE block's input is multiplied by U(1 - eps,
     1 + eps) noise, which the router and the experts both see (HF
-    ``MixtralSparseMoeBlock``; ``MoEConfig.router_jitter`` jitters the router only).
+    ``MixtralSparseMoeBlock``; ``MoEConfig.router_jitter`` jitters the router only),
+    drawn from the stream ``aristax.layers.jitter_stream`` picks ("jitter", "dropout"
+    or "default").
     """
 
     def __init__(self, config: MixtralConfig, *, rngs: nnx.Rngs, moe_config: MoEConfig,
@@ -304,7 +307,7 @@ class DecoderLayer(nnx.Module):
         self.post_attention_norm = RMSNorm(D, eps, dt)
         self.moe = MoE(moe_config, rngs=rngs, mesh=mesh, plan=plan)
         self.jitter_noise = config.router_jitter_noise
-        self.jitter_rngs = rngs.fork() if self.jitter_noise > 0 else None
+        self.jitter_rngs = jitter_stream(rngs).fork() if self.jitter_noise > 0 else None
         self.deterministic = False
 
     def __call__(self, x, cos, sin, key_valid, query_slots, kv=None, index=None,

@@ -145,7 +145,7 @@ def test_router_jitter_noise_reaches_router_and_experts(monkeypatch):
     cfg = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=24,
                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                         num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=eps)
-    model = Mixtral(cfg, rngs=nnx.Rngs(0))
+    model = Mixtral(cfg, rngs=nnx.Rngs(params=0, dropout=1))  # no "default" stream
     ids = jnp.asarray(np.random.default_rng(9).integers(0, 64, size=(2, 7)))
     model.eval()
     eval_logits = model(ids).logits

@@ -1,0 +1,73 @@
+"""Router jitter inside real training code: the RNG streams ordinary models have (NNX
+``Rngs(params=, dropout=)``, Linen ``init``/``apply`` rngs) and a deterministic switch
+that really turns it off (issue 31 A, B)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from aristax import MoE, MoEConfig, moe, moe_linen
+
+CFG = MoEConfig(num_experts=4, top_k=2, d_model=8, d_ff=16, router_jitter=0.3)
+X = jax.random.normal(jax.random.key(0), (2, 5, 8))
+
+
+def without_jitter(layer: MoE):
+    """The layer's output on its own weights with router_jitter = 0."""
+    return moe(X.reshape(-1, 8), layer.params(), dataclasses.replace(CFG, router_jitter=0.0))
+
+
+def test_nnx_layer_jitters_from_the_dropout_stream():
+    layer = MoE(CFG, rngs=nnx.Rngs(params=0, dropout=1))
+    y1, y2 = layer(X)[0], layer(X)[0]
+    assert not np.allclose(y1, y2)  # fresh noise per call
+    plain = without_jitter(layer)[0].reshape(X.shape)
+    np.testing.assert_array_equal(layer(X, deterministic=True)[0], plain)
+    layer.eval()
+    np.testing.assert_array_equal(layer(X)[0], plain)
+    np.testing.assert_array_equal(
+        MoE(CFG, rngs=nnx.Rngs(params=0, dropout=1), deterministic=True)(X)[0], plain)
+
+
+def test_nnx_stream_order_and_call_time_rngs():
+    a = MoE(CFG, rngs=nnx.Rngs(params=0, jitter=5, dropout=1))
+    b = MoE(CFG, rngs=nnx.Rngs(params=0, jitter=5, dropout=2))
+    np.testing.assert_array_equal(a(X)[0], b(X)[0])  # "jitter" wins over "dropout"
+    layer = MoE(CFG, rngs=nnx.Rngs(params=0, dropout=1))
+    key = jax.random.key(7)
+    np.testing.assert_array_equal(layer(X, rngs=key)[0], layer(X, rngs=key)[0])
+    np.testing.assert_array_equal(layer(X, rngs=nnx.Rngs(dropout=7))[0],
+                                  layer(X, rngs=nnx.Rngs(dropout=7))[0])
+
+
+def test_nnx_without_a_jitter_stream_names_the_fix():
+    with pytest.raises(ValueError, match="router_jitter.*'jitter', 'dropout', 'default'"):
+        MoE(CFG, rngs=nnx.Rngs(params=0))
+    MoE(dataclasses.replace(CFG, router_jitter=0.0), rngs=nnx.Rngs(params=0))  # no need
+
+
+class Block(nn.Module):
+    cfg: MoEConfig
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        return moe_linen(self.cfg)(x, deterministic=not train)[0]
+
+
+def test_linen_jitter_follows_the_apply_rngs_and_deterministic():
+    block = Block(CFG)
+    variables = block.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, X,
+                           train=True)
+    run = lambda key: block.apply(variables, X, train=True,  # noqa: E731
+                                  rngs={"dropout": jax.random.key(key)})
+    np.testing.assert_array_equal(run(3), run(3))
+    assert not np.allclose(run(3), run(4))  # the noise follows the key
+    plain = Block(dataclasses.replace(CFG, router_jitter=0.0)).apply(variables, X, train=True)
+    assert not np.allclose(run(3), plain)
+    np.testing.assert_array_equal(block.apply(variables, X, train=False), plain)
