@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -96,6 +97,28 @@ class ExpertParallelOptions:
     def as_kwargs(self) -> dict:
         """The options as ``expert_parallel_moe`` keyword arguments (a new dict)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def on_tokens(forward, x: jax.Array, params: MoEParams, config: MoEConfig, **kwargs):
+    """``forward`` (a layer of [T, D] tokens: ``moe``, ``chunked_moe``,
+    ``expert_parallel_moe``) on x [..., D] flattened to tokens: y [..., D], and aux with
+    router_logits [..., E]."""
+    lead = x.shape[:-1]
+    y, aux = forward(x.reshape(-1, config.d_model), params, config, **kwargs)
+    aux = {**aux, "router_logits": aux["router_logits"].reshape(*lead, config.num_experts)}
+    return y.reshape(*lead, y.shape[-1]), aux
+
+
+@functools.partial(jax.jit, static_argnames=("config", "seq_len", "num_chunks"))
+def one_device_layer(x: jax.Array, params: MoEParams, config: MoEConfig, *, bias=None,
+                     jitter_rng=None, seq_len: int | None = None, num_chunks: int = 1):
+    """The layer on one device for x [..., D]: ``moe``, or ``chunked_moe`` with
+    ``num_chunks`` > 1, through ``on_tokens``. One jitted program (JAX's cache, keyed on
+    the config, shapes and chunk count), so an eager call (a notebook) compiles once per
+    input shape instead of once per op; inside a user's ``jit`` it is inlined."""
+    forward = moe if num_chunks == 1 else functools.partial(chunked_moe, num_chunks=num_chunks)
+    return on_tokens(forward, x, params, config, bias=bias, jitter_rng=jitter_rng,
+                     seq_len=seq_len)
 
 
 # The RNG streams router jitter draws from, in order of preference.
@@ -227,35 +250,30 @@ class MoE(nnx.Module):
         if cfg.router_jitter > 0 and not deterministic:
             jitter_rng = _jitter_key(self.jitter_rngs if rngs is None else rngs)
         bias = self.router.balance_bias_e
-        tokens = x.reshape(-1, cfg.d_model)
-        y, aux = self._forward(tokens.shape[0])(
-            tokens, self.params(), cfg,
-            bias=None if bias is None else bias[...],
-            jitter_rng=jitter_rng,
-            seq_len=seq_len,
-        )
-        aux["router_logits"] = aux["router_logits"].reshape(*lead, cfg.num_experts)
+        y, aux = self._forward(math.prod(lead))(
+            x, self.params(), cfg, bias=None if bias is None else bias[...],
+            jitter_rng=jitter_rng, seq_len=seq_len)
         if cfg.debug_checks:
             _raise_if_nonfinite(aux["nonfinite_tokens"])
-        return y.reshape(x.shape[:-1] + y.shape[-1:]), aux
+        return y, aux
 
     def _forward(self, num_tokens: int):
-        """``moe``; ``chunked_moe`` when ``num_chunks > 1``; the expert-parallel forward
-        when an expert mesh is active (for a call on ``num_tokens`` tokens)."""
+        """The function of (x [..., D], params, config, bias=, jitter_rng=, seq_len=) ->
+        (y [..., D], aux) a call on ``num_tokens`` tokens runs: the expert-parallel
+        forward when an expert mesh is active, else ``one_device_layer`` (``moe``, or
+        ``chunked_moe`` when ``num_chunks > 1``)."""
         cfg = self.config
         mesh = self.mesh if self.mesh is not None else jax.sharding.get_abstract_mesh()
         chunks = min(cfg.num_chunks or 1, num_tokens)  # at most one chunk per token
         if self.ep_options is not None:
-            return functools.partial(expert_parallel_moe, mesh=mesh,
-                                     **self.plan_call_options(num_tokens))
+            return functools.partial(on_tokens, functools.partial(
+                expert_parallel_moe, mesh=mesh, **self.plan_call_options(num_tokens)))
         if mesh is not None and not mesh.empty and EXPERT_AXIS in mesh.axis_names:
             local = tokens_per_shard(num_tokens, mesh)
-            return functools.partial(expert_parallel_moe, mesh=mesh,
-                                     num_chunks=max(1, min(chunks, local)),
-                                     exchange=cfg.exchange)
-        if chunks > 1:
-            return functools.partial(chunked_moe, num_chunks=chunks)
-        return moe
+            return functools.partial(on_tokens, functools.partial(
+                expert_parallel_moe, mesh=mesh, num_chunks=max(1, min(chunks, local)),
+                exchange=cfg.exchange))
+        return functools.partial(one_device_layer, num_chunks=chunks)
 
     def plan_call_options(self, num_tokens: int) -> dict | None:
         """The ``expert_parallel_moe`` options a call on ``num_tokens`` tokens uses when

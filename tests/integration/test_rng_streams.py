@@ -27,12 +27,12 @@ def test_nnx_layer_jitters_from_the_dropout_stream():
     layer = MoE(CFG, rngs=nnx.Rngs(params=0, dropout=1))
     y1, y2 = layer(X)[0], layer(X)[0]
     assert not np.allclose(y1, y2)  # fresh noise per call
-    plain = without_jitter(layer)[0].reshape(X.shape)
-    np.testing.assert_array_equal(layer(X, deterministic=True)[0], plain)
+    plain = without_jitter(layer)[0].reshape(X.shape)  # eager: equal up to rounding
+    close = lambda y: np.testing.assert_allclose(y, plain, rtol=1e-5, atol=1e-7)  # noqa: E731
+    close(layer(X, deterministic=True)[0])
     layer.eval()
-    np.testing.assert_array_equal(layer(X)[0], plain)
-    np.testing.assert_array_equal(
-        MoE(CFG, rngs=nnx.Rngs(params=0, dropout=1), deterministic=True)(X)[0], plain)
+    close(layer(X)[0])
+    close(MoE(CFG, rngs=nnx.Rngs(params=0, dropout=1), deterministic=True)(X)[0])
 
 
 def test_nnx_stream_order_and_call_time_rngs():
