@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx import bridge
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from aristax import routing as routing_lib
 from aristax.config import MoEConfig
@@ -121,6 +121,12 @@ def one_device_layer(x: jax.Array, params: MoEParams, config: MoEConfig, *, bias
                      seq_len=seq_len)
 
 
+def _place(module: nnx.Module, sharding: NamedSharding) -> None:
+    """Every array variable of ``module`` put on ``sharding``."""
+    state = nnx.state(module, nnx.Variable)
+    nnx.update(module, jax.tree.map(lambda a: jax.device_put(a, sharding), state))
+
+
 # The RNG streams router jitter draws from, in order of preference.
 JITTER_STREAMS = ("jitter", "dropout", "default")
 
@@ -193,7 +199,8 @@ class MoE(nnx.Module):
     def apply_plan(self, plan) -> None:
         """Carry out ``plan`` (as ``plan=`` does) on a layer built without one, whose
         experts are in logical order (e.g. just loaded from a checkpoint): store them in
-        the plan's physical slots and take its expert-parallel options."""
+        the plan's physical slots, sharded over the plan mesh's expert axis (the other
+        weights replicated on it), and take its expert-parallel options."""
         if self.ep_options is not None:
             raise ValueError("this MoE already carries a plan; build a new layer for another")
         if self.mesh is None:
@@ -208,6 +215,11 @@ class MoE(nnx.Module):
                 variable = getattr(self.experts, name)
                 if variable is not None:
                     variable.set_value(getattr(physical, name))
+        expert_spec = P(self.ep_options.expert_axis, None, None)
+        _place(self.experts, NamedSharding(self.mesh, expert_spec))  # slots over devices
+        for module in (self.router, self.shared_experts):
+            if module is not None:
+                _place(module, NamedSharding(self.mesh, P()))
 
     def logical_params(self) -> MoEParams:
         """``params()`` with experts in logical order [E, ...] (a replicated expert
