@@ -76,9 +76,10 @@ def mesh_from_plan(
       devices: the V devices the plan was made for, in the planner's device order
         (default ``jax.devices()``).
       num_experts: when given, must equal ``plan.num_experts`` (the model's E).
-      axis_types: mesh axis types (default: ``Explicit`` for every axis, as
-        ``jax.make_mesh``); ``expert_parallel_moe`` accepts either kind. Outside
-        ``jit``, take gradients on an Explicit mesh under ``jax.set_mesh(mesh)``.
+      axis_types: mesh axis types (default: ``Auto`` for every axis, so that ordinary
+        model code around the layer (embedding lookups, integer-label cross-entropy)
+        runs on it: JAX has no sharding rule for those ops on Explicit axes).
+        ``expert_parallel_moe`` accepts either kind.
       topology: the ``aristax.planner.Topology`` the plan was made for; its ``node``
         ids tell which devices share a host.
       hierarchical: True: the 3-axis mesh (needs ``topology.node``); False: always
@@ -113,7 +114,7 @@ def mesh_from_plan(
         grid = grid.reshape(len(plan.groups), nodes, sizes[0] // nodes)
         names = HIERARCHICAL_AXES
     if axis_types is None:
-        axis_types = (AxisType.Explicit,) * len(names)
+        axis_types = (AxisType.Auto,) * len(names)
     return Mesh(grid, names, axis_types=axis_types)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from aristax.parallel import (expert_axes_of, initialize_distributed, mesh_from_plan,
                               resolve_distributed)
@@ -62,8 +62,9 @@ def make_topology(name: str, num_devices: int, expert_capacity: int = 0) -> Topo
 
 def plan_and_mesh(cfg: TrainConfig, devices):
     """(plan, mesh) for expert parallelism over ``devices``, or (None, None) on one
-    device or with ``parallel.expert_parallel=false``. The mesh has Auto axes: jit
-    propagates the model's shardings and the MoE layer constrains its own."""
+    device or with ``parallel.expert_parallel=false``. The mesh is ``mesh_from_plan``'s
+    (Auto axes, as the README's recipe): jit propagates the model's shardings and the
+    MoE layer constrains its own."""
     if not cfg.parallel.expert_parallel or len(devices) == 1:
         return None, None
     m = cfg.model
@@ -82,9 +83,7 @@ def plan_and_mesh(cfg: TrainConfig, devices):
             raise ValueError(f"parallel.group_size={W} does not divide {len(devices)} devices")
         groups = [list(range(i, i + W)) for i in range(0, len(devices), W)]
     plan = make_plan(topology, spec, groups=groups)
-    mesh = mesh_from_plan(plan, devices, topology=topology)
-    return plan, Mesh(mesh.devices, mesh.axis_names,
-                      axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+    return plan, mesh_from_plan(plan, devices, topology=topology)
 
 
 def batch_sharding(mesh) -> NamedSharding | None:

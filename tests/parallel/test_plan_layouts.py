@@ -128,7 +128,7 @@ def test_moe_module_carries_out_a_skewed_plan():
     y_r, aux_r = single(x)
     np.testing.assert_allclose(np.asarray(y), np.asarray(y_r), atol=3e-5, rtol=3e-5)
     np.testing.assert_allclose(np.asarray(aux["expert_load"]), np.asarray(aux_r["expert_load"]))
-    # after nnx.jit the weights are typed sharded over the plan mesh's Explicit axes;
+    # after nnx.jit the weights are typed sharded over the plan mesh's axes;
     # reading them back in logical order gathers along that dimension
     for name in ("up_edf", "gate_edf", "down_efd"):
         np.testing.assert_array_equal(np.asarray(getattr(layer.logical_params(), name)),
