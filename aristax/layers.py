@@ -11,6 +11,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from flax.nnx import bridge
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -121,6 +122,43 @@ def one_device_layer(x: jax.Array, params: MoEParams, config: MoEConfig, *, bias
                      seq_len=seq_len)
 
 
+class ExpertLayout(nnx.Variable):
+    """int32[num_slots]: the logical expert held in each stored expert slot of a ``MoE``
+    (``EMPTY_SLOT`` for an empty slot); ``arange(E)`` without a plan. It is saved with
+    the layer's state (not a parameter: optimizers leave it alone), so a state loaded
+    into a layer of another layout is refused at the next call (``check_layout``)."""
+
+
+def _layout_error(stored, expected) -> ValueError:
+    return ValueError(
+        f"this MoE stores its experts in layout {np.asarray(expected).tolist()} (logical "
+        f"expert per slot), but its state holds layout {np.asarray(stored).tolist()}: the "
+        f"state was saved by a layer with another plan (or none). Load the logical "
+        f"weights instead: MoE.logical_params() of the saving layer (or "
+        f"aristax.parallel.layout_experts(params, saved_layout, inverse=True)), then "
+        f"MoE.apply_plan(plan) to lay them out for this layer's plan")
+
+
+def check_layout(stored: jax.Array, expected: np.ndarray) -> None:
+    """Raise ``_layout_error`` unless ``stored`` (an ``ExpertLayout`` value) equals
+    ``expected``: now when it is concrete; under ``jit`` at run time, through a host
+    callback that runs only when the values differ (under ``vmap``, where both branches
+    run, the callback compares again before raising)."""
+    if stored.shape[-1:] != expected.shape:
+        raise _layout_error(stored, expected)
+    if not isinstance(stored, jax.core.Tracer):
+        if not np.array_equal(np.asarray(stored), expected):
+            raise _layout_error(stored, expected)
+        return
+
+    def fail(values):
+        if not (np.asarray(values) == expected).all():
+            raise _layout_error(np.asarray(values).reshape(-1, expected.size)[0], expected)
+
+    jax.lax.cond(jnp.any(stored != expected), lambda v: jax.debug.callback(fail, v),
+                 lambda v: None, stored)
+
+
 def _place(module: nnx.Module, sharding: NamedSharding) -> None:
     """Every array variable of ``module`` put on ``sharding``."""
     state = nnx.state(module, nnx.Variable)
@@ -186,6 +224,7 @@ class MoE(nnx.Module):
         self.config = config
         self.mesh = mesh
         self.ep_options: ExpertParallelOptions | None = None
+        self.expert_layout = ExpertLayout(jnp.arange(config.num_experts, dtype=jnp.int32))
         self.router = Router(config, rngs=rngs)
         self.experts = Experts(config, rngs=rngs)
         self.shared_experts = (
@@ -215,15 +254,25 @@ class MoE(nnx.Module):
                 variable = getattr(self.experts, name)
                 if variable is not None:
                     variable.set_value(getattr(physical, name))
+        self.expert_layout.set_value(jax.device_put(
+            jnp.asarray(self.expected_layout()), NamedSharding(self.mesh, P())))
         expert_spec = P(self.ep_options.expert_axis, None, None)
         _place(self.experts, NamedSharding(self.mesh, expert_spec))  # slots over devices
         for module in (self.router, self.shared_experts):
             if module is not None:
                 _place(module, NamedSharding(self.mesh, P()))
 
+    def expected_layout(self) -> np.ndarray:
+        """int32[num_slots]: the layout this layer's structure computes with (its plan's
+        ``expert_perm``, else the identity)."""
+        perm = None if self.ep_options is None else self.ep_options.expert_perm
+        return np.asarray(np.arange(self.config.num_experts) if perm is None else perm,
+                          np.int32)
+
     def logical_params(self) -> MoEParams:
         """``params()`` with experts in logical order [E, ...] (a replicated expert
         from its first slot): what checkpoints hold."""
+        check_layout(self.expert_layout[...], self.expected_layout())
         if self.ep_options is None or self.ep_options.expert_perm is None:
             return self.params()
         return layout_experts(self.params(), self.ep_options.expert_perm, inverse=True)
@@ -255,6 +304,7 @@ class MoE(nnx.Module):
                 f"x has shape {x.shape}, but MoEConfig.d_model={cfg.d_model}: the last "
                 "dimension of x must equal d_model"
             )
+        check_layout(self.expert_layout[...], self.expected_layout())
         lead = x.shape[:-1]
         seq_len = lead[-1] if len(lead) >= 2 else None
         deterministic = self.deterministic if deterministic is None else deterministic

@@ -196,6 +196,7 @@ def load_pretrained(model_class: type[Mixtral], directory: str | os.PathLike, *,
         _set(layer.moe.experts.gate_edf, gate, dt)
         _set(layer.moe.experts.up_edf, up, dt)
         _set(layer.moe.experts.down_efd, down, dt)
+        layer.moe.expert_layout.set_value(jnp.arange(E, dtype=jnp.int32))  # logical order
     _check_all_set(model)
     if plan is not None:
         for layer in model.layers:

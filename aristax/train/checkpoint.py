@@ -24,18 +24,26 @@ from aristax.parallel import layout_expert_weights
 EXPERT_WEIGHTS = ("gate_edf", "up_edf", "down_efd")
 
 
+def _key(entry):
+    return getattr(entry, "key", getattr(entry, "idx", None))
+
+
 def _is_expert_weight(path) -> bool:
-    keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
+    keys = [_key(k) for k in path]
     return "experts" in keys and keys[-1] in EXPERT_WEIGHTS
 
 
 def _move_experts(tree, perm: Sequence[int] | None, *, inverse: bool):
     """Expert weights (any leaf at .../experts/<gate_edf|up_edf|down_efd>) between the
-    physical slot order ``perm`` and the logical order (``inverse``: to logical)."""
+    physical slot order ``perm`` and the logical order (``inverse``: to logical), and
+    the layers' ``expert_layout`` with them (the identity in logical order)."""
     if perm is None:
         return tree
 
     def move(path, leaf):
+        if _key(path[-1]) == "expert_layout":  # MoE.expert_layout: logical is the identity
+            return np.arange(max(perm) + 1, dtype=np.int32) if inverse else \
+                np.asarray(perm, np.int32)
         return layout_expert_weights(leaf, perm, inverse=inverse) if _is_expert_weight(path) \
             else leaf
 

@@ -45,11 +45,14 @@ def forward_and_grad(graphdef):
         model = nnx.merge(graphdef, state)
         decode = model(ids, decode_weights=model.decode_weights()).logits
 
-        def loss(state):
-            out = nnx.merge(graphdef, state)(ids)
+        params, rest = nnx.split_state(state, nnx.Param, ...)  # (the expert layouts
+        # are int variables: differentiate the parameters, as nnx.grad does)
+
+        def loss(params):
+            out = nnx.merge(graphdef, params, rest)(ids)
             return jnp.sum(out.logits ** 2) + out.aux_loss
 
-        return decode, jax.grad(loss)(state)
+        return decode, jax.grad(loss)(params)
 
     return fn
 
