@@ -11,6 +11,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import flax.linen as nn
 import numpy as np
 from flax import nnx
 from flax.nnx import bridge
@@ -389,6 +390,20 @@ def moe_linen(config: MoEConfig, *, name: str | None = None):
     with x [..., D] and y [..., D] (as ``MoE``); its parameters live in the "params"
     collection, and ``init`` needs a "params" RNG. Router jitter draws, at every
     ``apply``, from the Linen RNG named "jitter", else "dropout" (``apply(...,
-    rngs={"dropout": key})``), and is off with ``deterministic=True``.
+    rngs={"dropout": key})``), and is off with ``deterministic=True``. Parameters
+    carry ``nn.Partitioned`` sharding names, so ``nn.scan`` over layers (with
+    ``metadata_params={nn.PARTITION_NAME: ...}``) gives the stacked weights the layer
+    axis in front of the expert axis.
     """
-    return bridge.to_linen(MoE, config, name=name)
+    return bridge.to_linen(MoE, config, name=name, metadata_fn=_linen_box)
+
+
+def _linen_box(variable: nnx.Variable):
+    """The Linen metadata box of a bridged ``MoE`` variable: ``nn.Partitioned`` with
+    its sharding names where it has them, so that ``nn.scan``/``nn.vmap`` over layers
+    add their axis to the spec (Flax's default box, ``NNXMeta``, keeps the unstacked
+    spec); Flax's default box otherwise."""
+    names = variable.get_metadata().get("out_sharding")
+    if names is None:
+        return bridge.variables.to_linen_var(variable)
+    return nn.Partitioned(variable.get_value(), names=tuple(names))
