@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -336,6 +337,13 @@ class MoE(nnx.Module):
             return functools.partial(on_tokens, functools.partial(
                 expert_parallel_moe, mesh=mesh, num_chunks=max(1, min(chunks, local)),
                 exchange=cfg.exchange))
+        if mesh is not None and not mesh.empty and mesh.size > 1:
+            warnings.warn(
+                f"aristax.MoE: the active mesh {dict(mesh.shape)} has no {EXPERT_AXIS!r} "
+                f"axis, so every device holds all {cfg.num_experts} experts' weights and "
+                f"runs the single-device layer on its tokens. For expert parallelism give "
+                f"the mesh an {EXPERT_AXIS!r} axis (e.g. aristax.parallel.mesh_from_plan)",
+                UserWarning, stacklevel=3)
         return functools.partial(one_device_layer, num_chunks=chunks)
 
     def plan_call_options(self, num_tokens: int) -> dict | None:

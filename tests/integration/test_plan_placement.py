@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -35,3 +36,14 @@ def test_plan_layer_shards_expert_slots_over_the_expert_axis():
         assert w.sharding.spec == P() and len(w.sharding.device_set) == mesh.size
     y, _ = nnx.jit(lambda m, x: m(x))(layer, jax.random.normal(jax.random.key(0), (8, 4, 8)))
     assert np.isfinite(np.asarray(y)).all()
+
+
+def test_a_mesh_without_an_expert_axis_says_the_experts_are_replicated():
+    """Issue 31 D's silent half: on a ("data", "model") mesh the layer runs on one
+    device per shard with every expert on every device, and says so."""
+    layer = MoE(MoEConfig(num_experts=4, top_k=2, d_model=8, d_ff=16), rngs=nnx.Rngs(0))
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    x = jax.random.normal(jax.random.key(0), (8, 3, 8))
+    with jax.set_mesh(mesh), pytest.warns(UserWarning, match="no 'expert' axis.*all 4"):
+        y, _ = nnx.jit(lambda m, x: m(x))(layer, x)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(layer(x)[0]), rtol=1e-5, atol=1e-6)
