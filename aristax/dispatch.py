@@ -7,7 +7,7 @@ layout (``aristax.parallel`` calls the experts' storage places "slots").
 
 Two layouts, one ``Dispatch`` pytree:
   * dropless: a stable sort of the T*K assignments by expert; rows [T*K, D], experts
-    see ``group_sizes`` rows each, unassigned assignments sort to the end (zero rows).
+    see ``group_sizes`` rows each, unrouted assignments sort to the end (zero rows).
   * capacity: rows [E*C, D] = [E, C, D] flattened; expert e owns rows e*C..e*C+C-1;
     assignments beyond C per expert are dropped, and counted.
 """

@@ -99,7 +99,7 @@ class ExpertParallelOptions:
 
     def as_kwargs(self) -> dict:
         """The options as ``expert_parallel_moe`` keyword arguments (a new dict)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return dataclasses.asdict(self)
 
 
 def on_tokens(forward, x: jax.Array, params: MoEParams, config: MoEConfig, **kwargs):

@@ -123,7 +123,7 @@ def permute(
     """Gather tokens into expert order: rows[p] = x[sort_order[p] // K].
 
     Equals ``aristax.dispatch.permute`` with the dropless dispatch of the same
-    routing (``sort_order = sort_order``, ``row_valid = p < num_valid``).
+    routing (the same ``sort_order``, ``row_valid = p < num_valid``).
 
     Args:
       x: [T, D] tokens. sort_order: int[T*K] flat assignment of each row (``route``).

@@ -6,7 +6,7 @@ Letters: T tokens, D model dim, K experts per token, M = T*K rows in expert orde
 stable sort of the assignments by expert); ``inverse_order`` gives pos[s], the row of assignment
 s. Rows p >= ``num_valid`` (the routed assignments, ``sum(counts)``) are padding: permute
 writes zeros there and combine ignores the assignments that land there. This is
-``aristax.dispatch``'s dropless layout: ``sort_order = sort_order``,
+``aristax.dispatch``'s dropless layout: the same ``sort_order``,
 ``row_valid = p < num_valid``, ``row_of = pos.reshape(T, K)``, ``kept = row_of <
 num_valid``.
 """

@@ -15,7 +15,7 @@ Tokens whose logits are not all finite are routed nowhere, as ``aristax.routing`
 does: their weights are 0, their assignments sort after every routed assignment (as if they went
 to a virtual expert E) and ``counts`` leaves them out, so ``sum(counts)`` is the
 number of routed assignments. This is exactly the layout of
-``aristax.dispatch.dropless_dispatch``: ``sort_order`` is its ``sort_order`` and the
+``aristax.dispatch.dropless_dispatch``: ``sort_order`` is its ``sort_order`` too, and the
 inverse permutation is its ``row_of``.
 """
 
