@@ -207,6 +207,7 @@ def test_aligned_dispatch_is_the_same_layer(multiple):
     assert aligned.sort_order.shape[0] % multiple == 0
 
 
+@pytest.mark.cpu_backend  # elsewhere the default grouped GEMM is not "xla": no alignment
 @pytest.mark.parametrize("load", ["uniform", "one_expert"])
 def test_layer_on_aligned_tiles_equals_the_reference(load, monkeypatch):
     """The MoE layer on the CPU default (rows aligned to the backend's tiles, the
