@@ -23,7 +23,7 @@ from aristax.config import MoEConfig
 from aristax.moe import MoEParams, check_array, moe
 from aristax.parallel import (chunked_moe, expert_parallel_moe, expert_parallel_options,
                               layout_experts, tokens_per_shard)
-from aristax.sharding import EXPERT_AXIS, sharded_param
+from aristax.sharding import EXPERT_AXIS, PARAM_DIMS, MoEAxes, sharded_param
 
 # Fan-in scaling of a stacked [E, in, out] weight: each expert on its own.
 _expert_init = nnx.initializers.variance_scaling(
@@ -40,11 +40,10 @@ class BalanceBias(nnx.Variable):
 class Router(nnx.Module):
     """Router weight [D, E] and, with aux-loss-free balancing, its bias [E]."""
 
-    def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs, axes: MoEAxes):
         D, E = config.d_model, config.num_experts
         self.weight_de = sharded_param(
-            "router_weight_de", nnx.initializers.normal(0.02), rngs, (D, E), config.param_dtype
-        )
+            "router_de", nnx.initializers.normal(0.02), rngs, (D, E), config.param_dtype, axes)
         self.balance_bias_e = (
             BalanceBias(jnp.zeros((E,), jnp.float32)) if config.bias_update_rate > 0 else None
         )
@@ -53,31 +52,27 @@ class Router(nnx.Module):
 class Experts(nnx.Module):
     """E stacked expert MLPs: gate_edf/up_edf [E, D, F], down_efd [E, F, D]."""
 
-    def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs, axes: MoEAxes):
         E, D, F, dt = config.num_experts, config.d_model, config.d_ff, config.param_dtype
         self.gate_edf = (
             None if config.activation == "gelu"
-            else sharded_param("ffw_gate_edf", _expert_init, rngs, (E, D, F), dt)
+            else sharded_param("gate_edf", _expert_init, rngs, (E, D, F), dt, axes)
         )
-        self.up_edf = sharded_param("ffw_up_edf", _expert_init, rngs, (E, D, F), dt)
-        self.down_efd = sharded_param("ffw_down_efd", _expert_init, rngs, (E, F, D), dt)
+        self.up_edf = sharded_param("up_edf", _expert_init, rngs, (E, D, F), dt, axes)
+        self.down_efd = sharded_param("down_efd", _expert_init, rngs, (E, F, D), dt, axes)
 
 
 class SharedExperts(nnx.Module):
     """The shared experts fused into one dense MLP: gate_df/up_df [D, Fs], down_fd [Fs, D]."""
 
-    def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs, axes: MoEAxes):
         D, Fs, dt = config.d_model, config.shared_width, config.param_dtype
         self.gate_df = (
             None if config.activation == "gelu"
-            else sharded_param("shared_gate_df", _dense_init, rngs, (D, Fs), dt)
+            else sharded_param("shared_gate_df", _dense_init, rngs, (D, Fs), dt, axes)
         )
-        self.up_df = sharded_param("shared_up_df", _dense_init, rngs, (D, Fs), dt)
-        self.down_fd = sharded_param("shared_down_fd", _dense_init, rngs, (Fs, D), dt)
-
-
-def _value(param: nnx.Variable | None) -> jax.Array | None:
-    return None if param is None else param[...]
+        self.up_df = sharded_param("shared_up_df", _dense_init, rngs, (D, Fs), dt, axes)
+        self.down_fd = sharded_param("shared_down_fd", _dense_init, rngs, (Fs, D), dt, axes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,10 +130,11 @@ def _layout_error(stored, expected) -> ValueError:
     return ValueError(
         f"this MoE stores its experts in layout {np.asarray(expected).tolist()} (logical "
         f"expert per slot), but its state holds layout {np.asarray(stored).tolist()}: the "
-        f"state was saved by a layer with another plan (or none). Load the logical "
-        f"weights instead: MoE.logical_params() of the saving layer (or "
-        f"aristax.parallel.layout_experts(params, saved_layout, inverse=True)), then "
-        f"MoE.apply_plan(plan) to lay them out for this layer's plan")
+        f"state was saved by a layer with another plan (or none). Save and load the "
+        f"logical weights instead: MoE.logical_params() of the saving layer (for a saved "
+        f"state: aristax.parallel.layout_experts(params, saved_layout, inverse=True)), "
+        f"then MoE.load_logical_params(params) on this one, which lays them out for its "
+        f"plan")
 
 
 def check_layout(stored: jax.Array, expected: np.ndarray) -> None:
@@ -161,32 +157,30 @@ def check_layout(stored: jax.Array, expected: np.ndarray) -> None:
                  lambda v: None, stored)
 
 
-def _place(module: nnx.Module, sharding: NamedSharding) -> None:
-    """Every array variable of ``module`` put on ``sharding``."""
-    state = nnx.state(module, nnx.Variable)
-    nnx.update(module, jax.tree.map(lambda a: jax.device_put(a, sharding), state))
-
-
 # The RNG streams router jitter draws from, in order of preference.
 JITTER_STREAMS = ("jitter", "dropout", "default")
 
 
-def jitter_stream(rngs: nnx.Rngs) -> nnx.RngStream:
-    """The first stream of ``JITTER_STREAMS`` that ``rngs`` holds; a ValueError naming
-    them and the fix when it holds none."""
+def jitter_stream(rngs: nnx.Rngs, *, required: bool = True) -> nnx.RngStream | None:
+    """The first stream of ``JITTER_STREAMS`` that ``rngs`` holds; when it holds none,
+    None if not ``required``, else a ValueError naming them and the fix."""
     for name in JITTER_STREAMS:
         if name in rngs:
             return rngs[name]
+    if not required:
+        return None
     raise ValueError(
         f"MoEConfig.router_jitter > 0 draws from an RNG stream named one of "
-        f"{JITTER_STREAMS}; these rngs have none: add one, e.g. "
-        f"nnx.Rngs(params=0, dropout=1), or set router_jitter=0")
+        f"{JITTER_STREAMS}; the rngs given (and any the layer was built with) have none: "
+        f"add one, e.g. nnx.Rngs(params=0, dropout=1), pass rngs= to the call, call with "
+        f"deterministic=True, or set router_jitter=0")
 
 
-def _jitter_key(rngs: nnx.Rngs | nnx.RngStream | jax.Array) -> jax.Array:
-    """A fresh key from an ``nnx.Rngs`` (its jitter stream), a stream, or a key."""
-    if isinstance(rngs, nnx.Rngs):
-        return jitter_stream(rngs)()
+def _jitter_key(rngs: nnx.Rngs | nnx.RngStream | jax.Array | None) -> jax.Array:
+    """A fresh key from an ``nnx.Rngs`` (its jitter stream), a stream, or a key; None
+    (no stream anywhere) raises ``jitter_stream``'s error."""
+    if rngs is None or isinstance(rngs, nnx.Rngs):
+        return jitter_stream(nnx.Rngs() if rngs is None else rngs)()
     return rngs() if isinstance(rngs, nnx.RngStream) else rngs
 
 
@@ -204,12 +198,18 @@ class MoE(nnx.Module):
     ``nnx.Rngs(params=0, dropout=1)`` jitters from "dropout"), or from ``rngs=`` of the
     call (an ``nnx.Rngs``, a stream or a key).
 
-    Expert parallelism: when a mesh with an "expert" axis is active, the layer runs
-    ``aristax.parallel.expert_parallel_moe`` (experts sharded over "expert", tokens
-    over ("data", "expert")). The mesh is ``mesh=`` when given, else the one set by
-    ``with jax.set_mesh(mesh):`` (read with ``jax.sharding.get_abstract_mesh()``, so
-    it works inside ``jit``). Without such a mesh it runs the single-device
-    ``aristax.moe.moe``.
+    Sharding: ``axes`` (``aristax.sharding.MoEAxes``) names the axes each weight
+    dimension is split over -- mesh axes, or logical names that Flax's logical axis
+    rules map -- written into the parameters' sharding metadata (so the Flax recipe,
+    ``nnx.get_partition_spec`` then ``with_sharding_constraint``, places them). By
+    default experts are split over "expert", tokens over "data", the rest replicated.
+    When the active mesh has the axis ``axes.expert`` stands for (through the rules in
+    effect at the call), the layer runs ``aristax.parallel.expert_parallel_moe`` over
+    it (tokens over ``axes.batch`` and the expert axis). The mesh is ``mesh=`` when
+    given, else the one set by ``with jax.set_mesh(mesh):`` (read with
+    ``jax.sharding.get_abstract_mesh()``, so it works inside ``jit``). Otherwise it
+    runs the single-device ``aristax.moe.moe``, warning when a multi-device mesh
+    splits none of the expert weights' dimensions (every device would hold them all).
 
     ``plan=`` (an ``aristax.planner.Plan``, with ``mesh=mesh_from_plan(plan, ...)``)
     carries out the plan: the experts are stored in the plan's physical order
@@ -222,17 +222,22 @@ class MoE(nnx.Module):
     """
 
     def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None,
-                 plan=None, deterministic: bool = False):
+                 plan=None, deterministic: bool = False, axes: MoEAxes = MoEAxes()):
+        if not isinstance(axes, MoEAxes):
+            raise TypeError(f"axes={axes!r}: give an aristax.sharding.MoEAxes, e.g. "
+                            "MoEAxes(expert='fsdp')")
         self.config = config
         self.mesh = mesh
+        self.axes = axes
         self.ep_options: ExpertParallelOptions | None = None
         self.expert_layout = ExpertLayout(jnp.arange(config.num_experts, dtype=jnp.int32))
-        self.router = Router(config, rngs=rngs)
-        self.experts = Experts(config, rngs=rngs)
+        self.router = Router(config, rngs=rngs, axes=axes)
+        self.experts = Experts(config, rngs=rngs, axes=axes)
         self.shared_experts = (
-            SharedExperts(config, rngs=rngs) if config.num_shared_experts else None
+            SharedExperts(config, rngs=rngs, axes=axes) if config.num_shared_experts else None
         )
-        self.jitter_rngs = jitter_stream(rngs).fork() if config.router_jitter > 0 else None
+        stream = jitter_stream(rngs, required=False) if config.router_jitter > 0 else None
+        self.jitter_rngs = None if stream is None else stream.fork()  # None: rngs= at calls
         self.deterministic = deterministic
         if plan is not None:
             self.apply_plan(plan)
@@ -240,8 +245,9 @@ class MoE(nnx.Module):
     def apply_plan(self, plan) -> None:
         """Carry out ``plan`` (as ``plan=`` does) on a layer built without one, whose
         experts are in logical order (e.g. just loaded from a checkpoint): store them in
-        the plan's physical slots, sharded over the plan mesh's expert axis (the other
-        weights replicated on it), and take its expert-parallel options."""
+        the plan's physical slots, sharded over the plan mesh's expert axis (which
+        becomes ``axes.expert`` and the experts' sharding metadata; the other weights
+        placed by ``axes``), and take its expert-parallel options."""
         if self.ep_options is not None:
             raise ValueError("this MoE already carries a plan; build a new layer for another")
         if self.mesh is None:
@@ -249,20 +255,59 @@ class MoE(nnx.Module):
         if plan.num_experts != self.config.num_experts:
             raise ValueError(f"plan.num_experts={plan.num_experts} but MoEConfig.num_experts="
                              f"{self.config.num_experts}; plan for the model's E")
+        logical = self.logical_params()
         self.ep_options = ExpertParallelOptions(**expert_parallel_options(plan, self.mesh))
-        if self.ep_options.expert_perm is not None:
-            physical = layout_experts(self.params(), self.ep_options.expert_perm)
-            for name in ("gate_edf", "up_edf", "down_efd"):
-                variable = getattr(self.experts, name)
-                if variable is not None:
-                    variable.set_value(getattr(physical, name))
-        self.expert_layout.set_value(jax.device_put(
-            jnp.asarray(self.expected_layout()), NamedSharding(self.mesh, P())))
-        expert_spec = P(self.ep_options.expert_axis, None, None)
-        _place(self.experts, NamedSharding(self.mesh, expert_spec))  # slots over devices
-        for module in (self.router, self.shared_experts):
-            if module is not None:
-                _place(module, NamedSharding(self.mesh, P()))
+        expert_axis = self.ep_options.expert_axis
+        if self.axes.expert not in (EXPERT_AXIS, expert_axis):
+            raise ValueError(
+                f"MoE(plan=...) splits the experts over the plan mesh's {expert_axis!r}, "
+                f"but axes.expert={self.axes.expert!r}: leave MoEAxes.expert at its default "
+                "with a plan")
+        self.axes = dataclasses.replace(self.axes, expert=expert_axis)
+        for field, variable in self._param_variables().items():
+            variable.set_metadata(out_sharding=self.axes.param_spec(field))
+        if self.router.balance_bias_e is not None:
+            bias = self.router.balance_bias_e
+            bias.set_value(jax.device_put(bias[...], NamedSharding(self.mesh, P())))
+        self.load_logical_params(logical)
+
+    def load_logical_params(self, params: MoEParams) -> None:
+        """Set the layer's weights from ``params`` in logical expert order [E, ...]
+        (``logical_params()`` of any layer of this config, e.g. restored from a
+        checkpoint), cast to the parameters' dtypes: laid out in the plan's physical
+        slots and placed on its mesh when the layer carries a plan, else placed as the
+        current weights are. The stored layout is reset to the one the layer computes
+        with, so a state refused by the layout check is repaired by this call."""
+        variables = self._param_variables()
+        given = {f for f in PARAM_DIMS if getattr(params, f) is not None}
+        if given != set(variables):
+            raise ValueError(f"params hold {sorted(given)} but this MoE has "
+                             f"{sorted(variables)}: load the weights of a layer of this config")
+        for field, variable in variables.items():
+            want = variable[...].shape
+            if field in ("gate_edf", "up_edf", "down_efd"):
+                want = (self.config.num_experts,) + want[1:]
+            if getattr(params, field).shape != want:
+                raise ValueError(f"params.{field} has shape {getattr(params, field).shape}; "
+                                 f"this MoE takes {want} (logical expert order)")
+        perm = None if self.ep_options is None else self.ep_options.expert_perm
+        if perm is not None:
+            params = layout_experts(params, perm)
+        for field, variable in variables.items():
+            variable.set_value(self._placed(field, getattr(params, field), variable[...]))
+        layout = self.expert_layout
+        layout.set_value(self._placed(None, jnp.asarray(self.expected_layout()), layout[...]))
+
+    def _placed(self, field: str | None, value: jax.Array, current: jax.Array) -> jax.Array:
+        """``value`` as ``current``'s dtype, on the plan mesh by ``field``'s spec (None:
+        replicated) when the layer carries a plan, else where ``current`` is."""
+        value = jnp.asarray(value, current.dtype)
+        if self.ep_options is not None:
+            spec = P() if field is None else self.mesh_spec(field, self.mesh.axis_names)
+            return jax.device_put(value, NamedSharding(self.mesh, spec))
+        if isinstance(current, jax.Array) and not isinstance(current, jax.core.Tracer):
+            return jax.device_put(value, current.sharding)
+        return value
 
     def expected_layout(self) -> np.ndarray:
         """int32[num_slots]: the layout this layer's structure computes with (its plan's
@@ -279,19 +324,32 @@ class MoE(nnx.Module):
             return self.params()
         return layout_experts(self.params(), self.ep_options.expert_perm, inverse=True)
 
+    def _param_variables(self) -> dict[str, nnx.Param]:
+        """The layer's parameters by ``MoEParams`` field (fields it lacks left out)."""
+        shared = self.shared_experts
+        variables = {
+            "router_de": self.router.weight_de,
+            "gate_edf": self.experts.gate_edf,
+            "up_edf": self.experts.up_edf,
+            "down_efd": self.experts.down_efd,
+            "shared_gate_df": None if shared is None else shared.gate_df,
+            "shared_up_df": None if shared is None else shared.up_df,
+            "shared_down_fd": None if shared is None else shared.down_fd,
+        }
+        return {field: v for field, v in variables.items() if v is not None}
+
     def params(self) -> MoEParams:
         """The layer's weights as arrays, experts as stored ([E, ...], or a plan's
         [num_slots, ...] physical slots)."""
-        shared = self.shared_experts
-        return MoEParams(
-            router_de=self.router.weight_de[...],
-            gate_edf=_value(self.experts.gate_edf),
-            up_edf=self.experts.up_edf[...],
-            down_efd=self.experts.down_efd[...],
-            shared_gate_df=None if shared is None else _value(shared.gate_df),
-            shared_up_df=None if shared is None else shared.up_df[...],
-            shared_down_fd=None if shared is None else shared.down_fd[...],
-        )
+        return MoEParams(**{field: v[...] for field, v in self._param_variables().items()})
+
+    def mesh_spec(self, field: str, mesh_axes) -> P:
+        """The ``PartitionSpec`` of ``MoEParams`` field ``field`` on a mesh with axes
+        ``mesh_axes``: each dimension's role resolved by ``MoEAxes.on_mesh`` (under the
+        logical axis rules in effect)."""
+        dims = [() if role is None else self.axes.on_mesh(role, mesh_axes)
+                for role in PARAM_DIMS[field]]
+        return P(*(None if not a else a[0] if len(a) == 1 else a for a in dims))
 
     def __call__(self, x: jax.Array, *, deterministic: bool | None = None,
                  rngs: nnx.Rngs | nnx.RngStream | jax.Array | None = None,
@@ -332,18 +390,25 @@ class MoE(nnx.Module):
         if self.ep_options is not None:
             return functools.partial(on_tokens, functools.partial(
                 expert_parallel_moe, mesh=mesh, **self.plan_call_options(num_tokens)))
-        if mesh is not None and not mesh.empty and EXPERT_AXIS in mesh.axis_names:
-            local = tokens_per_shard(num_tokens, mesh)
+        if mesh is None or mesh.empty:
+            return functools.partial(one_device_layer, num_chunks=chunks)
+        names = mesh.axis_names
+        expert_axes = self.axes.on_mesh("expert", names)
+        if expert_axes:
+            tokens = tuple(dict.fromkeys(self.axes.on_mesh("batch", names) + expert_axes))
+            local = tokens_per_shard(num_tokens, mesh, expert_axes, tokens)
             return functools.partial(on_tokens, functools.partial(
-                expert_parallel_moe, mesh=mesh, num_chunks=max(1, min(chunks, local)),
-                exchange=cfg.exchange))
-        if mesh is not None and not mesh.empty and mesh.size > 1:
+                expert_parallel_moe, mesh=mesh, expert_axis=expert_axes, token_axes=tokens,
+                num_chunks=max(1, min(chunks, local)), exchange=cfg.exchange))
+        if mesh.size > 1 and not any(self.axes.on_mesh(r, names) for r in ("embed", "mlp")):
             warnings.warn(
-                f"aristax.MoE: the active mesh {dict(mesh.shape)} has no {EXPERT_AXIS!r} "
-                f"axis, so every device holds all {cfg.num_experts} experts' weights and "
-                f"runs the single-device layer on its tokens. For expert parallelism give "
-                f"the mesh an {EXPERT_AXIS!r} axis (e.g. aristax.parallel.mesh_from_plan)",
-                UserWarning, stacklevel=3)
+                f"aristax.MoE: the active mesh {dict(mesh.shape)} has no axis for "
+                f"axes.expert={self.axes.expert!r} (nor for embed/mlp), so every device "
+                f"holds all {cfg.num_experts} experts' weights and runs the single-device "
+                f"layer on its tokens. Split the experts over a mesh axis: "
+                f"MoE(..., axes=MoEAxes(expert='<axis>')), a logical axis rule "
+                f"('{self.axes.expert}', '<axis>'), or a mesh with an {EXPERT_AXIS!r} "
+                f"axis (aristax.parallel.mesh_from_plan)", UserWarning, stacklevel=3)
         return functools.partial(one_device_layer, num_chunks=chunks)
 
     def plan_call_options(self, num_tokens: int) -> dict | None:
@@ -391,27 +456,29 @@ def _raise_if_nonfinite(count: jax.Array) -> None:
         check(count)
 
 
-def moe_linen(config: MoEConfig, *, name: str | None = None):
+def moe_linen(config: MoEConfig, *, axes: MoEAxes = MoEAxes(), name: str | None = None):
     """The ``MoE`` layer as a Flax Linen module (through ``flax.nnx.bridge``).
 
     Use inside a Linen model: ``y, aux = moe_linen(cfg)(x, deterministic=not train)``
     with x [..., D] and y [..., D] (as ``MoE``); its parameters live in the "params"
     collection, and ``init`` needs a "params" RNG. Router jitter draws, at every
     ``apply``, from the Linen RNG named "jitter", else "dropout" (``apply(...,
-    rngs={"dropout": key})``), and is off with ``deterministic=True``. Parameters
-    carry ``nn.Partitioned`` sharding names, so ``nn.scan`` over layers (with
-    ``metadata_params={nn.PARTITION_NAME: ...}``) gives the stacked weights the layer
-    axis in front of the expert axis.
+    rngs={"dropout": key})``), and is off with ``deterministic=True``.
+
+    Parameters are ``nn.LogicallyPartitioned`` with ``axes``' names (``MoE``), so the
+    Linen recipes work on them: ``nn.get_partition_spec`` (the names as mesh axes) or
+    ``nn.logical_to_mesh_sharding`` under logical axis rules, and ``nn.scan`` over
+    layers (``metadata_params={nn.PARTITION_NAME: ...}``) puts the layer axis in front
+    of the expert axis.
     """
-    return bridge.to_linen(MoE, config, name=name, metadata_fn=_linen_box)
+    return bridge.to_linen(MoE, config, axes=axes, name=name, metadata_fn=_linen_box)
 
 
 def _linen_box(variable: nnx.Variable):
-    """The Linen metadata box of a bridged ``MoE`` variable: ``nn.Partitioned`` with
-    its sharding names where it has them, so that ``nn.scan``/``nn.vmap`` over layers
-    add their axis to the spec (Flax's default box, ``NNXMeta``, keeps the unstacked
-    spec); Flax's default box otherwise."""
+    """The Linen metadata box of a bridged ``MoE`` variable: ``nn.LogicallyPartitioned``
+    with its sharding names where it has them (Flax's default box, ``NNXMeta``, keeps
+    the unstacked spec under ``nn.scan``), Flax's default box otherwise."""
     names = variable.get_metadata().get("out_sharding")
     if names is None:
         return bridge.variables.to_linen_var(variable)
-    return nn.Partitioned(variable.get_value(), names=tuple(names))
+    return nn.LogicallyPartitioned(variable.get_value(), names=tuple(names))

@@ -69,13 +69,7 @@ from aristax.parallel import collectives, overlap
 from aristax.parallel.collectives import check_exchange, default_exchange
 from aristax.parallel.mesh import (EMPTY_SLOT, expert_axes_of, expert_permutation,
                                    inverse_permutation)
-from aristax.sharding import DATA_AXIS, EXPERT_AXIS, PARAM_AXES
-
-_PARAM_NAMES = {
-    "router_de": "router_weight_de", "up_edf": "ffw_up_edf", "gate_edf": "ffw_gate_edf",
-    "down_efd": "ffw_down_efd", "shared_up_df": "shared_up_df",
-    "shared_gate_df": "shared_gate_df", "shared_down_fd": "shared_down_fd",
-}
+from aristax.sharding import DATA_AXIS, EXPERT_AXIS, PARAM_DIMS
 _SCALAR_AUX = ("loss", "lb_loss", "seq_aux_loss", "z_loss", "dropped_fraction",
                "num_dropped", "num_overflow", "nonfinite_tokens", "unchosen_tokens")
 
@@ -316,10 +310,9 @@ def _param_specs(params: MoEParams, expert_axis) -> MoEParams:
     def spec(name):
         if getattr(params, name) is None:
             return None
-        axes = PARAM_AXES[_PARAM_NAMES[name]]
-        return P(*(expert_axis if a == EXPERT_AXIS else None for a in axes))
+        return P(*(expert_axis if role == "expert" else None for role in PARAM_DIMS[name]))
 
-    return MoEParams(**{name: spec(name) for name in _PARAM_NAMES})
+    return MoEParams(**{name: spec(name) for name in PARAM_DIMS})
 
 
 def _place(a, mesh, spec):
@@ -598,6 +591,6 @@ def _sharded_forward(x, router_in, params, bias, *, layout: ShardedLayout):
     # placed inside the jit: eagerly, an abstract mesh (jax.set_mesh read under a trace
     # such as nnx.grad) cannot constrain single-device arrays
     params = MoEParams(**{name: _place(getattr(params, name), mesh, getattr(param_specs, name))
-                          for name in _PARAM_NAMES})
+                          for name in PARAM_DIMS})
     return sharded(_place(x, mesh, tok), _place(router_in, mesh, tok), params,
                    _place(bias, mesh, P()))

@@ -17,7 +17,7 @@ def test_ci_runs_the_readme_test_command():
     assert f"```bash\n{ci}\n```" in README
 
 
-@pytest.mark.parametrize("block", [0, 1], ids=["one_device", "expert_parallel"])
+@pytest.mark.parametrize("block", [0, 2], ids=["one_device", "expert_parallel"])
 def test_readme_examples_train(capsys, block):
     """The layer example, and the expert-parallel recipe inside a small language model
     (embedding lookup, integer-label cross-entropy) on this machine's 8 devices."""
@@ -26,6 +26,15 @@ def test_readme_examples_train(capsys, block):
         exec(compile(code, "README.md", "exec"), {})
     losses = [float(line.split()[1]) for line in capsys.readouterr().out.splitlines()]
     assert len(losses) == 5 and losses[-1] < losses[0]
+
+
+def test_readme_sharding_example_splits_experts_over_fsdp_and_f_over_tensor(capsys):
+    """The FSDP/tensor example on this machine's 8 devices: each device holds E/4
+    experts' halves of F, as its comment says."""
+    code = re.findall(r"```python\n(.*?)```", README, re.S)[1]
+    assert 'axes=MoEAxes(expert="fsdp", mlp="tensor")' in code
+    exec(compile(code, "README.md", "exec"), {})
+    assert capsys.readouterr().out.strip() == "(2, 32, 32)"
 
 
 def test_main_job_is_aristax_train_on_a_shipped_config():

@@ -13,11 +13,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from aristax.parallel import (expert_axes_of, initialize_distributed, mesh_from_plan,
-                              resolve_distributed)
+from aristax.parallel import initialize_distributed, mesh_from_plan, resolve_distributed
 from aristax.planner import ModelSpec, make_plan
 from aristax.planner.topology import PRESETS, Topology, uniform
-from aristax.sharding import EXPERT_AXIS
 from aristax.train.config import TrainConfig
 
 
@@ -91,7 +89,3 @@ def batch_sharding(mesh) -> NamedSharding | None:
     return None if mesh is None else NamedSharding(mesh, P(tuple(mesh.axis_names), None))
 
 
-def param_sharding(mesh, spec: P) -> NamedSharding:
-    """A parameter's metadata spec on ``mesh`` ("expert" -> the mesh's expert axes)."""
-    axes = expert_axes_of(mesh)
-    return NamedSharding(mesh, P(*(axes if a == EXPERT_AXIS else a for a in spec)))

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding
 from omegaconf import OmegaConf
 
 from aristax.models.mixtral import Mixtral
@@ -37,8 +38,7 @@ from aristax.train import data as data_lib
 from aristax.train.checkpoint import Checkpointer
 from aristax.train.config import ConfigError, TrainConfig, mixtral_config, moe_config
 from aristax.train.metrics import MetricsWriter, plot_run
-from aristax.train.parallel_setup import (batch_sharding, param_sharding, plan_and_mesh,
-                                          start_processes)
+from aristax.train.parallel_setup import batch_sharding, plan_and_mesh, start_processes
 
 
 @dataclasses.dataclass
@@ -96,12 +96,13 @@ def build_model(cfg: TrainConfig, vocab_size: int, mesh, plan) -> Mixtral:
 
 def shard_module(module, mesh) -> None:
     """Put every array of ``module`` (a model or its optimizer) on ``mesh`` by its
-    sharding metadata (experts over the expert axes; the rest replicated)."""
+    sharding metadata (experts over the plan mesh's expert axes, which ``MoE(plan=)``
+    writes there; the rest replicated)."""
     if mesh is None:
         return
     state = nnx.state(module)
     specs = nnx.get_partition_spec(state)
-    nnx.update(module, jax.tree.map(lambda x, s: jax.device_put(x, param_sharding(mesh, s)),
+    nnx.update(module, jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)),
                                     state, specs))
 
 

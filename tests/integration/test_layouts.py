@@ -4,8 +4,11 @@ another layout raises naming the way to load the logical weights."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
@@ -17,11 +20,13 @@ CFG = MoEConfig(num_experts=8, top_k=2, d_model=8, d_ff=16)
 X = jax.random.normal(jax.random.key(0), (4, 6, 8))
 
 
-def plan_layer():
-    load = tuple(float(v) for v in np.geomspace(1.0, 40.0, 8))
+def plan_layer(seed=0, skew=40.0):
+    """A layer carrying a plan for skewed expert loads: skew 40 gives 12 slots (empty
+    ones pad the devices), skew 3 a permutation of the 8 experts."""
+    load = tuple(float(v) for v in np.geomspace(1.0, skew, 8))
     plan = make_plan(uniform(8), ModelSpec(num_experts=8, expert_load=load, top_k=2),
                      groups=[[0, 1, 2, 3], [4, 5, 6, 7]])
-    return MoE(CFG, rngs=nnx.Rngs(0), mesh=mesh_from_plan(plan), plan=plan)
+    return MoE(CFG, rngs=nnx.Rngs(seed), mesh=mesh_from_plan(plan), plan=plan)
 
 
 def test_a_plan_state_loaded_without_the_plan_is_refused():
@@ -51,13 +56,59 @@ def test_a_permuted_state_of_equal_shape_is_refused(jitted):
 def test_the_logical_weights_load_into_any_layout():
     planned = plan_layer()
     single = MoE(CFG, rngs=nnx.Rngs(1))
-    logical = planned.logical_params()
-    for name in ("gate_edf", "up_edf", "down_efd"):
-        getattr(single.experts, name).set_value(getattr(logical, name))
-    single.router.weight_de.set_value(logical.router_de)
+    single.load_logical_params(planned.logical_params())
     y_single = single(X)[0]
     y_plan = nnx.jit(lambda m, x: m(x))(planned, X)[0]
     np.testing.assert_allclose(np.asarray(y_single), np.asarray(y_plan), rtol=3e-5, atol=3e-5)
     layer = MoE(CFG, rngs=nnx.Rngs(2))  # a layout-free layer keeps the identity
     jax.block_until_ready(nnx.jit(lambda m, x: m(x))(layer, X))
     jax.effects_barrier()
+
+
+def test_load_logical_params_refuses_weights_of_another_config():
+    layer = MoE(CFG, rngs=nnx.Rngs(0))
+    other = MoE(dataclasses.replace(CFG, d_ff=24), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"params.gate_edf has shape \(8, 8, 24\)"):
+        layer.load_logical_params(other.params())
+    shared = MoE(dataclasses.replace(CFG, num_shared_experts=1), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="shared_up_df"):
+        layer.load_logical_params(shared.params())
+
+
+def _abstract(tree):
+    """Orbax restore targets: shapes, dtypes and shardings of ``tree``'s arrays."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                        tree)
+
+
+def test_orbax_between_a_plan_layout_and_one_device(tmp_path):
+    """Through orbax's own API: a plan layer's raw state restored on one device is
+    refused at the next call, naming load_logical_params (a permuted plan: the shapes
+    agree); its logical weights restore on one device, and one device's restore into
+    a plan layer of 12 slots, with equal outputs."""
+    planned = plan_layer(skew=3.0)
+    assert planned.ep_options.expert_perm is not None
+    y_plan = nnx.jit(lambda m, x: m(x))(planned, X)[0]
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "state", nnx.state(planned))
+        checkpointer.save(tmp_path / "logical", planned.logical_params())
+        checkpointer.wait_until_finished()
+
+        single = MoE(CFG, rngs=nnx.Rngs(1))
+        nnx.update(single, checkpointer.restore(tmp_path / "state", _abstract(nnx.state(single))))
+        with pytest.raises(ValueError, match=r"layout.*MoE.load_logical_params\(params\)"):
+            single(X)
+        single.load_logical_params(
+            checkpointer.restore(tmp_path / "logical", _abstract(single.params())))
+        y_single = single(X)[0]
+        np.testing.assert_allclose(np.asarray(y_single), np.asarray(y_plan), rtol=3e-5,
+                                   atol=3e-5)
+
+        checkpointer.save(tmp_path / "from_single", single.logical_params())
+        checkpointer.wait_until_finished()
+        other = plan_layer(seed=5)
+        other.load_logical_params(
+            checkpointer.restore(tmp_path / "from_single", _abstract(single.params())))
+    assert other.experts.up_edf[...].sharding.mesh.shape == planned.mesh.shape
+    y_other = nnx.jit(lambda m, x: m(x))(other, X)[0]
+    np.testing.assert_allclose(np.asarray(y_other), np.asarray(y_plan), rtol=3e-5, atol=3e-5)

@@ -33,7 +33,7 @@ def test_plan_layer_shards_expert_slots_over_the_expert_axis():
         assert w.sharding.mesh.shape == mesh.shape and w.sharding.spec == P(axis, None, None)
         assert {s.data.shape[0] for s in w.addressable_shards} == {w.shape[0] // width}
     for w in (layer.router.weight_de[...], layer.shared_experts.up_df[...]):
-        assert w.sharding.spec == P() and len(w.sharding.device_set) == mesh.size
+        assert w.sharding.is_fully_replicated and len(w.sharding.device_set) == mesh.size
     y, _ = nnx.jit(lambda m, x: m(x))(layer, jax.random.normal(jax.random.key(0), (8, 4, 8)))
     assert np.isfinite(np.asarray(y)).all()
 
@@ -44,6 +44,6 @@ def test_a_mesh_without_an_expert_axis_says_the_experts_are_replicated():
     layer = MoE(MoEConfig(num_experts=4, top_k=2, d_model=8, d_ff=16), rngs=nnx.Rngs(0))
     mesh = jax.make_mesh((4, 2), ("data", "model"))
     x = jax.random.normal(jax.random.key(0), (8, 3, 8))
-    with jax.set_mesh(mesh), pytest.warns(UserWarning, match="no 'expert' axis.*all 4"):
+    with jax.set_mesh(mesh), pytest.warns(UserWarning, match="no axis for axes.expert='expert'.*all 4"):
         y, _ = nnx.jit(lambda m, x: m(x))(layer, x)
     np.testing.assert_allclose(np.asarray(y), np.asarray(layer(x)[0]), rtol=1e-5, atol=1e-6)

@@ -47,9 +47,15 @@ def test_nnx_stream_order_and_call_time_rngs():
 
 
 def test_nnx_without_a_jitter_stream_names_the_fix():
+    """Built from params-only rngs (an eval model, a Linen init): deterministic calls
+    and calls given rngs= work; a jittered call without a stream names the fix."""
+    layer = MoE(CFG, rngs=nnx.Rngs(params=0))
     with pytest.raises(ValueError, match="router_jitter.*'jitter', 'dropout', 'default'"):
-        MoE(CFG, rngs=nnx.Rngs(params=0))
-    MoE(dataclasses.replace(CFG, router_jitter=0.0), rngs=nnx.Rngs(params=0))  # no need
+        layer(X)
+    plain = MoE(dataclasses.replace(CFG, router_jitter=0.0), rngs=nnx.Rngs(params=0))
+    np.testing.assert_array_equal(layer(X, deterministic=True)[0], plain(X)[0])
+    jittered = layer(X, rngs=nnx.Rngs(dropout=3))[0]
+    assert not np.allclose(jittered, plain(X)[0])
 
 
 class Block(nn.Module):

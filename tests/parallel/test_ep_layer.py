@@ -112,7 +112,7 @@ def test_mesh_without_expert_axis_runs_single_device():
     x = jax.random.normal(jax.random.key(1), (B, S, D))
     auto = (AxisType.Auto,)
     with jax.set_mesh(jax.make_mesh((8,), ("data",), axis_types=auto)), pytest.warns(
-            UserWarning, match="no 'expert' axis"):  # said, not silent
+            UserWarning, match="no axis for axes.expert"):  # said, not silent
         y, _ = apply(module, x)
     xf, p = x.reshape(-1, D), param_dict(module)
     y_ref = ref.forward(xf, p, cfg, ref.plan(xf, p["router_de"], cfg))
