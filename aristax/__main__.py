@@ -1,7 +1,5 @@
 """``python -m aristax ...`` runs the ``aristax`` command."""
 
-import sys
+from aristax.cli import entry
 
-from aristax.cli import main
-
-sys.exit(main())
+entry()

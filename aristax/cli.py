@@ -1,12 +1,26 @@
-"""The ``aristax`` command: ``aristax train | launch | plan | generate | bench``."""
+"""The ``aristax`` command: ``aristax train | launch | plan | generate | bench``.
+
+A user error (a bad argument, config key, file or value) prints one line,
+``aristax <command>: <what is wrong and how to fix it>``, and exits with status 2; a
+failure at run time (a diverged loss, a failed save, a dead peer process) prints one
+line and exits with 1; Ctrl-C exits with 130. ``aristax --debug ...`` or
+``ARISTAX_DEBUG=1`` shows the full traceback instead.
+"""
 
 from __future__ import annotations
 
 import argparse
 import ast
+import logging
+import os
+import re
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
+
+import yaml
 
 from aristax.models import cli as models_cli
 from aristax.planner import cli as planner_cli
@@ -14,6 +28,18 @@ from aristax.train import cli as train_cli
 
 # The benchmark scripts live in the source checkout (an editable install finds them).
 BENCHMARKS = Path(__file__).resolve().parents[1] / "experiments" / "benchmarks"
+# Errors in what the user gave (arguments, config, files): exit status 2.
+USER_ERRORS = (ValueError, OSError, yaml.YAMLError, ImportError)
+# Failures while running (a diverged loss, a failed checkpoint save): exit status 1.
+RUN_ERRORS = (RuntimeError, FloatingPointError)
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line naming the command and ``--help``
+    (its subcommands' parsers are of this class too)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {one_line(message)} (see `{self.prog} --help`)\n")
 
 
 def benchmarks() -> dict[str, str]:
@@ -31,20 +57,24 @@ def run_bench(args: argparse.Namespace) -> int:
     fresh interpreter (each sets its XLA flags before JAX starts), or list them."""
     found = benchmarks()
     if not found:
-        raise SystemExit(f"aristax bench: no benchmark scripts in {BENCHMARKS}; they ship "
-                         "with the source: clone aristax and `pip install -e .` there")
+        # not a bad input but an install without the source checkout: exit status 1
+        raise RuntimeError(f"no benchmark scripts in {BENCHMARKS}; they ship with the "
+                           "source: clone aristax and `pip install -e .` there")
     if args.name is None:
         for name, line in found.items():
             print(f"{name:22s} {line}")
         return 0
     if args.name not in found:
-        raise SystemExit(f"aristax bench: no benchmark named {args.name!r}; "
-                         f"choose one of: {', '.join(found)}")
+        raise ValueError(f"no benchmark named {args.name!r}; choose one of: "
+                         f"{', '.join(found)}")
     return subprocess.call([sys.executable, str(BENCHMARKS / f"{args.name}.py"), *args.args])
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="aristax", description=__doc__)
+    parser = Parser(prog="aristax", description=__doc__,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of an error (as ARISTAX_DEBUG=1)")
     subparsers = parser.add_subparsers(dest="command", required=True)
     train_cli.register(subparsers)
     planner_cli.register(subparsers)
@@ -59,11 +89,78 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def one_line(text: str) -> str:
+    """``text`` with its line breaks (and the indentation after them) made spaces."""
+    return re.sub(r"\s*\n\s*", " ", text.strip())
+
+
+def describe(err: BaseException) -> str:
+    """One line saying what went wrong: the message, or for an OS error on a file
+    "FILE: reason" (without the errno), or the error's type where it has no message."""
+    if isinstance(err, OSError) and err.filename is not None and err.strerror:
+        return f"{err.filename}: {err.strerror}"
+    if isinstance(err, KeyboardInterrupt):
+        return "interrupted"
+    return one_line(str(err)) or type(err).__name__
+
+
+def exit_status(err: BaseException) -> int:
+    """2 for a user error, 130 for Ctrl-C, 1 for a failure at run time."""
+    if isinstance(err, KeyboardInterrupt):
+        return 130
+    return 2 if isinstance(err, USER_ERRORS) else 1
+
+
+def debugging(args: argparse.Namespace) -> bool:
+    """Whether errors show their traceback: ``--debug`` or ARISTAX_DEBUG set (not 0)."""
+    return args.debug or os.environ.get("ARISTAX_DEBUG", "").lower() not in ("", "0", "false")
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the command ``argv`` (default ``sys.argv[1:]``) and return its exit status;
+    errors print one line to stderr unless debugging (see the module docstring)."""
     args = build_parser().parse_args(argv)
-    result = args.func(args)
+    undo = (lambda: None) if debugging(args) else silence_background_errors()
+    try:
+        result = args.func(args)
+    except (*USER_ERRORS, *RUN_ERRORS, KeyboardInterrupt) as err:
+        if debugging(args):
+            raise
+        print(f"aristax {args.command}: {describe(err)}", file=sys.stderr)
+        return exit_status(err)
+    finally:
+        undo()
     return result if isinstance(result, int) else 0
 
 
-if __name__ == "__main__":
+def silence_background_errors() -> Callable[[], None]:
+    """Until the returned function is called: no log records below CRITICAL from absl
+    (orbax) and asyncio, and no tracebacks from background threads or unraisable
+    exceptions. After a failed checkpoint save, orbax's and tensorstore's threads
+    report the same failure dozens of times, burying the one line ``main`` prints
+    (``--debug`` shows them)."""
+    loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]
+    levels = [logger.level for logger in loggers]
+    hooks = sys.unraisablehook, threading.excepthook
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    sys.unraisablehook, threading.excepthook = (lambda unraisable: None), (lambda args: None)
+
+    def undo() -> None:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+        sys.unraisablehook, threading.excepthook = hooks
+
+    return undo
+
+
+def entry() -> None:
+    """The ``aristax`` program: ``main``, with background threads kept quiet through
+    the interpreter's exit as well (unless debugging), then exit with its status."""
+    if not ("--debug" in sys.argv[1:2] or debugging(argparse.Namespace(debug=False))):
+        silence_background_errors()
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

@@ -4,14 +4,14 @@
     aristax generate CHECKPOINT --text "The capital of France is"   # needs tokenizer.json
 
 Prints the generated token ids (and text when a tokenizer is available) and the
-prefill time and decode tokens/s. ``aristax.cli`` calls ``register(subparsers)``.
+prefill time and decode tokens/s. ``aristax.cli`` calls ``register(subparsers)`` and
+prints this handler's errors as one line.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import jax
@@ -67,13 +67,11 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Handler of ``aristax generate``; returns the exit code (2: bad arguments)."""
-    try:
-        _check_flags(args)
-        return _generate(args)
-    except (ValueError, FileNotFoundError) as err:  # CheckpointError is a ValueError
-        print(f"aristax generate: {err}", file=sys.stderr)
-        return 2
+    """Handler of ``aristax generate``; returns 0. Bad flags and an unreadable
+    checkpoint raise ValueError (CheckpointError) or FileNotFoundError, which
+    ``aristax.cli.main`` prints as one line (exit status 2)."""
+    _check_flags(args)
+    return _generate(args)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -113,15 +111,3 @@ def _generate(args: argparse.Namespace) -> int:
               f"{result['decode_tokens_per_s']} tokens/s "
               f"({result['decode_ms_per_token']} ms/token)")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry point (``python -m aristax.models.cli ...``)."""
-    parser = argparse.ArgumentParser(prog="aristax")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -23,10 +23,11 @@ gate_edf/up_edf [E, D, F] = w1/w3 transposed, down_efd [E, F, D] = w2 transposed
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from aristax.models.mixtral_config import MixtralConfig
@@ -50,7 +51,39 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class CheckpointError(ValueError):
-    """A tensor is missing from a checkpoint or has the wrong shape."""
+    """A checkpoint file is missing, truncated or not what it should be, or a tensor is
+    missing from it or has the wrong shape; the message names the file or tensor."""
+
+
+_REDO = "download or save the checkpoint again"
+
+
+@contextlib.contextmanager
+def _open(path: Path) -> Iterator:
+    """``safe_open(path)``; a CheckpointError naming the file where it is missing,
+    truncated or not a safetensors file."""
+    if not path.is_file():
+        state = "is not a file" if path.exists() else "is missing"
+        raise CheckpointError(f"weight file {path} {state}: {_REDO}")
+    try:
+        handle = safe_open(path, framework="np")
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"weight file {path} is not a readable .safetensors file "
+                              f"({err}); it may be truncated: {_REDO}") from None
+    with handle as f:
+        yield f
+
+
+def _read_json(path: Path) -> dict:
+    """The JSON object in ``path``; a CheckpointError naming the file where it is not
+    valid JSON or not an object."""
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} is not valid JSON ({err}): {_REDO}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(data).__name__}, not an object: {_REDO}")
+    return data
 
 
 class _Reader:
@@ -62,18 +95,22 @@ class _Reader:
         index = directory / INDEX_FILE
         single = directory / SINGLE_FILE
         if single.exists():
-            with safe_open(single, framework="np") as f:
+            with _open(single) as f:
                 files = {name: single for name in f.keys()}
         elif index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index} has no \"weight_map\" object (tensor name -> "
+                                      f"file): {_REDO}")
             files = {name: directory / f for name, f in weight_map.items()}
         else:
             files = {}
             shards = sorted(directory.glob("*.safetensors"))
             if not shards:
-                raise FileNotFoundError(f"no *.safetensors files in {directory}")
+                raise FileNotFoundError(f"no *.safetensors files in {directory}: put the "
+                                        "checkpoint's weight files there")
             for shard in shards:
-                with safe_open(shard, framework="np") as f:
+                with _open(shard) as f:
                     files.update({name: shard for name in f.keys()})
         self.directory = directory
         self.files = files
@@ -85,23 +122,25 @@ class _Reader:
 
     def shape(self, name: str) -> tuple[int, ...]:
         if name not in self._shapes:
-            with safe_open(self.files[name], framework="np") as f:
+            with _open(self.files[name]) as f:
                 self._shapes[name] = tuple(f.get_slice(name).get_shape())
         return self._shapes[name]
 
     def get(self, name: str, expected: tuple[int, ...]) -> np.ndarray:
         """The tensor ``name``, checked against its expected shape."""
         if name not in self.files:
+            held = sorted({p.name for p in self.files.values()})
             raise CheckpointError(
                 f"checkpoint {self.directory} is missing tensor {name!r} "
-                f"(expected shape {expected})"
+                f"(expected shape {expected}); its weight files ({', '.join(held[:3]) or 'none'}"
+                f"{', ...' if len(held) > 3 else ''}) do not hold it: {_REDO}"
             )
         found = self.shape(name)
         if found != tuple(expected):
             raise CheckpointError(
                 f"tensor {name!r} in {self.directory} has shape {found}, expected {expected}"
             )
-        with safe_open(self.files[name], framework="np") as f:
+        with _open(self.files[name]) as f:
             array = f.get_tensor(name)
         self.used.add(name)
         return array
@@ -167,7 +206,7 @@ def load_pretrained(model_class: type[Mixtral], directory: str | os.PathLike, *,
     overrides = {"matmul_precision": matmul_precision}
     if dtype is not None:
         overrides["dtype"] = dtype
-    cfg = MixtralConfig.from_hf(json.loads(config_path.read_text()), **overrides)
+    cfg = MixtralConfig.from_hf(_read_json(config_path), **overrides)
     reader = _Reader(directory)
     model = nnx.eval_shape(lambda: model_class(cfg, rngs=nnx.Rngs(0), mesh=mesh))
     V, D, dt = cfg.vocab_size, cfg.hidden_size, cfg.dtype

@@ -14,8 +14,8 @@ e.g. ``perlmutter:4`` (4 nodes), ``dgx_h100:2``, ``heterogeneous_mix:1,2``. The 
 from __future__ import annotations
 
 import argparse
+import difflib
 import io
-import sys
 from pathlib import Path
 
 from rich import box
@@ -27,7 +27,7 @@ from aristax.planner.plan import make_plan
 from aristax.planner.plot import plot_plan
 from aristax.planner.simulate import simulate
 from aristax.planner.spec import ModelSpec, Plan
-from aristax.planner.topology import PRESETS, Topology
+from aristax.planner.topology import PRESETS, Topology, preset
 
 
 def parse_topology(spec: str) -> Topology:
@@ -39,13 +39,18 @@ def parse_topology(spec: str) -> Topology:
         return Topology.load(path)
     name, _, args = spec.partition(":")
     if name not in PRESETS:
+        close = difflib.get_close_matches(name, PRESETS, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
         raise ValueError(f"TOPOLOGY {spec!r} is neither a .yaml/.json file nor a preset; "
-                         f"use one of {sorted(PRESETS)}, e.g. perlmutter:4.")
+                         f"{hint}use one of {sorted(PRESETS)}, e.g. perlmutter:4.")
     try:
         values = [int(a) for a in args.split(",")] if args else []
     except ValueError:
         raise ValueError(f"preset arguments in {spec!r} must be integers, e.g. heterogeneous_mix:1,2.") from None
-    return PRESETS[name](*values)
+    try:
+        return preset(name, *values)
+    except ValueError as err:
+        raise ValueError(f"TOPOLOGY {spec!r}: {err}") from None
 
 
 def _experts_text(xs) -> str:
@@ -92,18 +97,15 @@ def format_plan(plan: Plan, topology: Topology, iteration: float | None = None, 
 
 
 def run(args: argparse.Namespace) -> int:
-    """Build the plan, print the tables, write JSON / PNG if asked. Returns 0, or 2
-    after printing why the arguments are invalid."""
-    try:  # bad arguments and infeasible plans: a message, not a traceback
-        topology = parse_topology(args.topology)
-        model = ModelSpec(num_experts=args.experts, top_k=args.top_k, d_model=args.d_model,
-                          d_ff=args.d_ff, tokens_per_device=args.tokens)
-        if args.png and not args.png.lower().endswith(".png"):
-            raise ValueError(f"--png {args.png!r} must end in .png, e.g. --png plan.png.")
-        plan = make_plan(topology, model)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"aristax plan: {err}", file=sys.stderr)
-        return 2
+    """Build the plan, print the tables, write JSON / PNG if asked; returns 0. Bad
+    arguments and infeasible plans raise ValueError (``aristax.cli.main`` prints it as
+    one line and exits with 2)."""
+    if args.png and not args.png.lower().endswith(".png"):
+        raise ValueError(f"--png {args.png!r} must end in .png, e.g. --png plan.png.")
+    topology = parse_topology(args.topology)
+    model = ModelSpec(num_experts=args.experts, top_k=args.top_k, d_model=args.d_model,
+                      d_ff=args.d_ff, tokens_per_device=args.tokens)
+    plan = make_plan(topology, model)
     console = Console()
     for r in plan_tables(plan, topology, simulate(plan, topology, model).iteration):
         console.print(r)

@@ -14,13 +14,18 @@ A :class:`Topology` over V devices holds
 Presets (each cites where its numbers come from): :func:`perlmutter`,
 :func:`dgx_h100`, :func:`heterogeneous_mix`. ``Topology.load`` / ``save`` read and
 write JSON or YAML (by file suffix); a YAML/JSON file may also name a preset,
-``{"preset": "perlmutter", "nodes": 4}``.
+``{"preset": "perlmutter", "nodes": 4}`` (:func:`preset` builds one by name and checks
+its arguments). Presets refuse more than ``MAX_DEVICES`` devices before allocating
+their [V, V] matrices.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
 import json
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +33,32 @@ import numpy as np
 import yaml
 
 MB = 1e6  # the Aristos alpha-beta numbers are quoted per (decimal) megabyte
+# The most devices a preset builds: alpha and beta are [V, V] float64 matrices (and
+# the planner makes more of that size), 128 MiB each at 4096 devices.
+MAX_DEVICES = 4096
+
+
+def check_num_devices(num_devices: int, what: str, fix: str) -> None:
+    """ValueError unless ``0 < num_devices <= MAX_DEVICES``, before any [V, V] matrix is
+    allocated; ``what`` names the topology asked for, ``fix`` says how to shrink it."""
+    if num_devices > MAX_DEVICES:
+        gib = 2 * num_devices ** 2 * 8 / 2 ** 30
+        raise ValueError(f"{what} has {num_devices:,} devices, more than the planner's limit of "
+                         f"{MAX_DEVICES} (its [V, V] alpha and beta matrices alone would take "
+                         f"{gib:,.1f} GiB): {fix}.")
+
+
+def _array(name: str, value: Any, dtype) -> np.ndarray:
+    """``np.array(value, dtype)``, or a ValueError naming the field."""
+    try:
+        return np.array(value, dtype=dtype, copy=True)
+    except (ValueError, TypeError) as err:
+        shape = "a [V, V] matrix" if name in ("alpha", "beta") else "one number per device"
+        raise ValueError(f"{name} must hold numbers ({err}); give {shape}.") from None
 
 
 def _as_float_array(name: str, value: Any, ndim: int) -> np.ndarray:
-    arr = np.array(value, dtype=np.float64, copy=True)
+    arr = _array(name, value, np.float64)
     if arr.ndim != ndim:
         raise ValueError(
             f"{name} must be a {ndim}-D array, got shape {arr.shape}; "
@@ -77,12 +104,12 @@ class Topology:
             raise ValueError(f"flops must have length V={v} (one per device), got {flops.shape}.")
         if np.any(flops <= 0):
             raise ValueError("flops must be positive (achieved FLOP/s of each device).")
-        cap = np.array(self.expert_capacity, copy=True)
+        cap = _array("expert_capacity", self.expert_capacity, np.float64)
         if cap.ndim != 1 or cap.shape[0] != v:
             raise ValueError(
                 f"expert_capacity must have length V={v} (experts per device), got shape {cap.shape}."
             )
-        if not np.all(np.isfinite(cap.astype(np.float64))) or np.any(cap != np.round(cap)) or np.any(cap < 0):
+        if not np.all(np.isfinite(cap)) or np.any(cap != np.round(cap)) or np.any(cap < 0):
             raise ValueError("expert_capacity must hold non-negative integers (experts that fit).")
         cap = cap.astype(np.int64)
         cap.setflags(write=False)
@@ -94,7 +121,7 @@ class Topology:
                     )
         node = self.node
         if node is not None:
-            node = np.array(node, dtype=np.int64, copy=True)
+            node = _array("node", node, np.int64)
             if node.shape != (v,):
                 raise ValueError(f"node must have length V={v} (one host id per device), got {node.shape}.")
             node.setflags(write=False)
@@ -151,10 +178,7 @@ class Topology:
         """Build from ``to_dict`` output, or from ``{"preset": name, **kwargs}``."""
         d = dict(d)
         if "preset" in d:
-            preset = d.pop("preset")
-            if preset not in PRESETS:
-                raise ValueError(f"unknown preset {preset!r}; use one of {sorted(PRESETS)}.")
-            return PRESETS[preset](**d)
+            return preset(str(d.pop("preset")), **d)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:
@@ -176,17 +200,41 @@ class Topology:
 
     @classmethod
     def load(cls, path: str | Path) -> "Topology":
+        """Read JSON (``.json``) or YAML (``.yaml``/``.yml``); a syntax error, or a field
+        that is not valid, raises ValueError naming the file (and the line)."""
         path = Path(path)
-        text = path.read_text()
-        if path.suffix in (".yaml", ".yml"):
-            data = yaml.safe_load(text)
-        elif path.suffix == ".json":
-            data = json.loads(text)
-        else:
-            raise ValueError(f"path {str(path)!r} must end in .json, .yaml or .yml.")
+        data = _parse(path)
         if not isinstance(data, dict):
-            raise ValueError(f"{path} must hold a mapping (topology fields or a preset).")
-        return cls.from_dict(data)
+            raise ValueError(f"{path} must hold a mapping (topology fields or a preset), "
+                             "e.g. {preset: perlmutter, nodes: 4}.")
+        try:
+            return cls.from_dict(data)
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from None
+
+
+def _parse(path: Path) -> Any:
+    """The data of a JSON or YAML file; ValueError naming the file and the line of a
+    syntax error."""
+    if path.suffix not in (".json", ".yaml", ".yml"):
+        raise ValueError(f"path {str(path)!r} must end in .json, .yaml or .yml.")
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not a text file: give a YAML or JSON topology.") from None
+    if path.suffix == ".json":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: invalid JSON at line {err.lineno}, column {err.colno}: "
+                             f"{err.msg}; fix the syntax.") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise ValueError(f"{path}: invalid YAML{where}: {problem}; fix the syntax.") from None
 
 
 # ---------------------------------------------------------------------- presets
@@ -204,7 +252,10 @@ def two_level(
 ) -> Topology:
     """Devices in ``nodes`` hosts of ``gpus_per_node``; one (alpha, beta) inside a host, one across."""
     if nodes < 1 or gpus_per_node < 1:
-        raise ValueError(f"nodes and gpus_per_node must be >= 1, got {nodes}, {gpus_per_node}.")
+        raise ValueError(f"{name}: nodes and gpus_per_node must be >= 1, got {nodes}, "
+                         f"{gpus_per_node}; give at least one node, e.g. perlmutter:4.")
+    check_num_devices(nodes * gpus_per_node, f"{name} ({nodes:,} nodes of {gpus_per_node})",
+                      f"give at most {MAX_DEVICES // gpus_per_node} nodes")
     node = np.repeat(np.arange(nodes), gpus_per_node)
     same = node[:, None] == node[None, :]
     alpha = np.where(same, intra_alpha, inter_alpha)
@@ -281,7 +332,11 @@ def heterogeneous_mix(h100_nodes: int = 1, a100_nodes: int = 2) -> Topology:
     FLOP/s and expert capacity are per device, from the presets.
     """
     if h100_nodes < 0 or a100_nodes < 0 or h100_nodes + a100_nodes == 0:
-        raise ValueError("h100_nodes and a100_nodes must be >= 0 and not both 0.")
+        raise ValueError(f"heterogeneous_mix: h100_nodes and a100_nodes must be >= 0 and not "
+                         f"both 0, got {h100_nodes}, {a100_nodes}; e.g. heterogeneous_mix:1,2.")
+    check_num_devices(8 * h100_nodes + 4 * a100_nodes,
+                      f"heterogeneous_mix ({h100_nodes:,} nodes of 8, {a100_nodes:,} of 4)",
+                      "give fewer nodes")
     parts = []
     if h100_nodes:
         parts.append(dgx_h100(h100_nodes))
@@ -321,7 +376,8 @@ def uniform(num_devices: int, *, alpha: float = 1e-5, beta: float = 1e-11, flops
             expert_capacity: int = 8) -> Topology:
     """Single-level topology (every pair alike); handy for tests and examples."""
     if num_devices < 1:
-        raise ValueError(f"num_devices must be >= 1, got {num_devices}.")
+        raise ValueError(f"uniform: num_devices must be >= 1, got {num_devices}; e.g. uniform:8.")
+    check_num_devices(num_devices, "uniform", f"give at most {MAX_DEVICES} devices")
     a = np.full((num_devices, num_devices), alpha)
     b = np.full((num_devices, num_devices), beta)
     np.fill_diagonal(a, 0.0)
@@ -331,3 +387,28 @@ def uniform(num_devices: int, *, alpha: float = 1e-5, beta: float = 1e-11, flops
 
 
 PRESETS["uniform"] = uniform
+
+
+def preset(name: str, *args: Any, **kwargs: Any) -> Topology:
+    """The preset ``name`` of ``PRESETS`` built with ``args`` / ``kwargs``: a ValueError
+    (not a TypeError) names the preset, its parameters and the fix for an unknown name,
+    a wrong number of arguments or an argument of the wrong type."""
+    if name not in PRESETS:
+        close = difflib.get_close_matches(name, PRESETS, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"unknown preset {name!r}; {hint}use one of {sorted(PRESETS)}.")
+    signature = inspect.signature(PRESETS[name])
+    types = typing.get_type_hints(PRESETS[name])
+    params = ", ".join(p.name if p.default is p.empty else f"{p.name}={p.default:g}"
+                       for p in signature.parameters.values())
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as err:
+        raise ValueError(f"preset {name!r}: {err}; its parameters are {params}.") from None
+    for key, value in bound.arguments.items():
+        kind = types.get(key)
+        ok = isinstance(value, (int, float) if kind is float else int)
+        if kind in (int, float) and (isinstance(value, bool) or not ok):
+            raise ValueError(f"preset {name!r}: {key}={value!r} must be a number "
+                             f"({kind.__name__}); its parameters are {params}.")
+    return PRESETS[name](*args, **kwargs)

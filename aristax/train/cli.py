@@ -3,50 +3,30 @@
 from __future__ import annotations
 
 import argparse
-import sys
+import os
 from pathlib import Path
 
-from aristax.train import ConfigError, load_config, train
+from aristax.train import load_config, train
 from aristax.train.launch import launch
 
 
-def _config(args: argparse.Namespace):
-    """The config of ``args``, or None after printing why it is invalid."""
-    try:
-        return load_config(args.config, args.overrides)
-    except (ConfigError, FileNotFoundError) as err:
-        print(f"aristax {args.command}: {err}", file=sys.stderr)
-        return None
-
-
 def run_train(args: argparse.Namespace) -> int:
-    cfg = _config(args)
-    if cfg is None:
-        return 2
-    try:
-        train(cfg)
-    except (ConfigError, FileNotFoundError) as err:  # found before training starts
-        print(f"aristax train: {err}", file=sys.stderr)
-        return 2
-    except FloatingPointError as err:  # the loss diverged
-        print(f"aristax train: {err}", file=sys.stderr)
-        return 1
+    """Handler of ``aristax train``. Errors propagate to ``aristax.cli.main``, which
+    prints them as one line: ConfigError / FileNotFoundError (found before training
+    starts) exit 2, FloatingPointError (the loss diverged) exits 1."""
+    train(load_config(args.config, args.overrides))
     return 0
 
 
 def run_launch(args: argparse.Namespace) -> int:
-    cfg = _config(args)
-    if cfg is None:
-        return 2
-    try:
-        return launch(args.config, args.overrides, args.local_processes,
-                      out_dir=Path(cfg.out_dir), devices=cfg.parallel.devices, grace=args.grace)
-    except ValueError as err:  # bad arguments, found before any process starts
-        print(f"aristax launch: {err}", file=sys.stderr)
-        return 2
-    except RuntimeError as err:
-        print(f"aristax launch: {err}", file=sys.stderr)
-        return 1
+    """Handler of ``aristax launch``: ValueError for bad arguments (before any process
+    starts), RuntimeError naming a process that failed. ``aristax --debug launch``
+    passes the debug setting on to the train processes (ARISTAX_DEBUG=1)."""
+    cfg = load_config(args.config, args.overrides)
+    if getattr(args, "debug", False):
+        os.environ["ARISTAX_DEBUG"] = "1"
+    return launch(args.config, args.overrides, args.local_processes,
+                  out_dir=Path(cfg.out_dir), devices=cfg.parallel.devices, grace=args.grace)
 
 
 def register(subparsers) -> None:

@@ -25,6 +25,14 @@ import numpy as np
 
 from aristax.train.config import DataConfig
 
+# The largest vocabulary ``read_tokens`` infers from a token array's ids (max id + 1)
+# without the model's vocab_size saying so: 2**21, above any common tokenizer's
+# (Llama 3: 128,256; Gemma: 262,144), so a larger id is far more likely a wrong file
+# or dtype than a real token, and would build an embedding table of millions of rows.
+MAX_INFERRED_VOCAB = 2 ** 21
+_INT32_MAX = int(np.iinfo(np.int32).max)
+_NPY_MAGIC = b"\x93NUMPY"
+
 
 def stdlib_files() -> list[pathlib.Path]:
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
@@ -34,25 +42,65 @@ def stdlib_files() -> list[pathlib.Path]:
     return files
 
 
-def read_tokens(cfg: DataConfig) -> tuple[np.ndarray, int]:
-    """(int32[N] token ids, vocabulary size) from ``cfg.source``."""
+def load_npy(source: str) -> np.ndarray:
+    """The array in the ``.npy`` file ``source`` (``data.source``), never unpickled;
+    FileNotFoundError / ValueError naming the file where it is missing, not a .npy
+    file, truncated or a pickled object array."""
+    path = pathlib.Path(source)
+    if not path.is_file():
+        state = "is not a file" if path.exists() else "does not exist"
+        raise FileNotFoundError(f"data.source={source!r} {state}: give an existing .npy file "
+                                "of token ids")
+    with path.open("rb") as f:
+        if f.read(len(_NPY_MAGIC)) != _NPY_MAGIC:
+            raise ValueError(f"data.source={source!r} is not a NumPy .npy array file (it lacks "
+                             "the .npy header): save the token ids with np.save(path, ids)")
+    try:
+        return np.load(path, allow_pickle=False)
+    except ValueError as err:
+        if "allow_pickle" in str(err) or "pickled" in str(err):
+            raise ValueError(f"data.source={source!r} holds a pickled object array, which is "
+                             "not loaded (allow_pickle=False): save integer token ids, e.g. "
+                             "np.save(path, ids.astype(np.int32))") from None
+        raise ValueError(f"data.source={source!r} is not a readable .npy array file "
+                         f"({err}): save it again with np.save(path, ids)") from None
+
+
+def check_token_array(source: str, array: np.ndarray, vocab_size: int = 0) -> int:
+    """The vocabulary size the ids of ``array`` (from ``data.source=source``) need,
+    max id + 1; ValueError naming the file and the fix unless they are non-negative
+    integers that fit int32 and, beyond ``MAX_INFERRED_VOCAB``, below ``vocab_size``
+    (the model's ``model.vocab_size``)."""
+    name = f"data.source={source!r}"
+    if not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"{name} holds {array.dtype} values, not integer token ids: save the "
+                         "ids with an integer dtype, e.g. np.save(path, ids.astype(np.int32))")
+    if array.size == 0:
+        raise ValueError(f"{name} holds no token ids: save a non-empty 1-D array of token ids")
+    low, high = int(array.min()), int(array.max())  # in the file's dtype: nothing wraps
+    if low < 0:
+        raise ValueError(f"{name} holds negative token ids (min {low}): token ids are >= 0")
+    if high > _INT32_MAX:
+        raise ValueError(f"{name} holds token id {high:,} ({array.dtype}), beyond the int32 "
+                         f"range of token ids (max {_INT32_MAX:,}): check the file was saved "
+                         "with the right dtype, or remap the ids to 0..vocab_size-1")
+    if high + 1 > max(vocab_size, MAX_INFERRED_VOCAB):
+        raise ValueError(f"{name} holds token id {high:,}, which needs a vocabulary of "
+                         f"{high + 1:,}, above {MAX_INFERRED_VOCAB:,} (larger than any common "
+                         "tokenizer's): check the file, or if the ids are right set "
+                         f"model.vocab_size={high + 1} explicitly")
+    return high + 1
+
+
+def read_tokens(cfg: DataConfig, vocab_size: int = 0) -> tuple[np.ndarray, int]:
+    """(int32[N] token ids, vocabulary size) from ``cfg.source``. ``vocab_size``: the
+    model's (``model.vocab_size``); ids of a .npy file need a vocabulary of at most
+    ``max(vocab_size, MAX_INFERRED_VOCAB)`` (see :func:`check_token_array`)."""
     source = cfg.source
     if source.endswith(".npy"):
-        if not pathlib.Path(source).is_file():
-            raise FileNotFoundError(f"data.source={source!r} does not exist: give an existing "
-                                    ".npy file of token ids")
-        array = np.load(source)
-        if not np.issubdtype(array.dtype, np.integer):
-            raise ValueError(f"data.source={source!r} holds {array.dtype} values, not integer "
-                             "token ids: save the ids with an integer dtype, e.g. "
-                             "np.save(path, ids.astype(np.int32))")
-        if array.size == 0:
-            raise ValueError(f"data.source={source!r} holds no token ids: save a non-empty "
-                             "1-D array of token ids")
-        tokens = array.astype(np.int32).reshape(-1)
-        if tokens.min() < 0:
-            raise ValueError(f"data.source={source!r} holds negative token ids")
-        return tokens, int(tokens.max()) + 1
+        array = load_npy(source)
+        vocab = check_token_array(source, array, vocab_size)
+        return array.astype(np.int32).reshape(-1), vocab
     if source == "stdlib":
         files = stdlib_files()
     else:

@@ -18,6 +18,7 @@ import torch
 import transformers
 from flax import nnx
 
+from aristax import cli
 from aristax.models import cli as models_cli
 from aristax.models import forward, generate
 from aristax.models.generate import top_p_mask
@@ -139,12 +140,11 @@ def _run_cli(argv, capsys):
     (["--text", "w1"], "--text needs .*tokenizer.json"),
 ])
 def test_cli_generate_errors_exit_2(small_pair, capsys, argv, match):
-    parser = argparse.ArgumentParser(prog="aristax")
-    models_cli.register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["generate", str(small_pair.path), *argv])
-    assert args.func(args) == 2
+    """The handler raises; ``aristax.cli.main`` prints one line and returns 2."""
+    assert cli.main(["generate", str(small_pair.path), *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("aristax generate: ") and re.search(match, err), err
+    assert err.count("\n") == 1
 
 
 def test_cli_generate_without_a_checkpoint_exits_2(tmp_path):

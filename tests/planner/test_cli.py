@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from aristax import cli
 from aristax.planner import Plan
 from aristax.planner.cli import parse_topology, register
 from aristax.planner.topology import perlmutter
@@ -74,18 +75,24 @@ def test_png_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
 
 
 def test_bad_arguments_print_a_message_and_exit_2(tmp_path, capsys):
+    """``aristax.cli.main`` prints the handler's ValueError as one line."""
     for argv, said in ((["--png", str(tmp_path / "p.jpg")], "--png"),
                        (["--top-k", "100"], "top_k=100"),
                        (["--experts", "100000"], "num_experts")):
-        args = parse(["plan", "perlmutter:1", "--experts", "8", *argv])
-        assert args.func(args) == 2
+        assert cli.main(["plan", "perlmutter:1", "--experts", "8", *argv]) == 2
         err = capsys.readouterr().err
-        assert err.startswith("aristax plan: ") and said in err
+        assert err.startswith("aristax plan: ") and said in err and err.count("\n") == 1
 
 
 def test_bad_topology_spec():
     with pytest.raises(ValueError, match="preset"):
         parse_topology("nosuch:3")
+    with pytest.raises(ValueError, match="did you mean perlmutter"):
+        parse_topology("perlmuter:3")
+    with pytest.raises(ValueError, match="too many positional arguments.*nodes=4"):
+        parse_topology("perlmutter:1,2")
+    with pytest.raises(ValueError, match="limit of 4096.*at most 1024 nodes"):
+        parse_topology("perlmutter:100000")
     with pytest.raises(ValueError, match="integers"):
         parse_topology("perlmutter:x")
     with pytest.raises(ValueError, match="does not exist"):
