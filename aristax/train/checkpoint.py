@@ -5,12 +5,22 @@ Each checkpoint (``<out_dir>/checkpoints/<step>/``) holds
     with expert weights (and their optimizer moments) in *logical* expert order, so
     a run restores onto any mesh or expert-parallel layout;
   * "data": the grain iterator state of the training stream;
-  * "meta": the step and the config it was written with.
+  * "meta": the step, the config it was written with, the training data's fingerprint,
+    and a checksum (BLAKE2b) of every saved array and of the data state.
 PRNG key arrays are stored as their raw key data and re-wrapped on restore.
+
+Integrity: every checkpoint is read back and checked against its checksums once
+orbax has written it (``poll`` at each step, ``wait`` at the end); a restore checks
+them again. A mismatch, a missing or unreadable file raises ``CorruptCheckpoint``
+naming the tensor and the step and how to resume from an earlier intact one
+(``checkpoint.step=``). A save that fails in orbax's background thread (a full disk)
+raises ``CheckpointSaveError`` at the next ``poll``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +32,34 @@ import orbax.checkpoint as ocp
 from aristax.parallel import layout_expert_weights
 
 EXPERT_WEIGHTS = ("gate_edf", "up_edf", "down_efd")
+
+
+class CorruptCheckpoint(ValueError):
+    """A checkpoint whose files are missing, unreadable or differ from their checksums."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint that could not be written (e.g. the disk is full)."""
+
+
+def checksum(array: np.ndarray) -> str:
+    """BLAKE2b (16 bytes, hex) of an array's dtype, shape and bytes."""
+    array = np.ascontiguousarray(array)
+    digest = hashlib.blake2b(f"{array.dtype.str}{array.shape}".encode(), digest_size=16)
+    digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+def tree_checksums(tree) -> dict[str, str]:
+    """{keystr path: ``checksum``} of every array leaf of ``tree`` (host arrays)."""
+    return {jax.tree_util.keystr(path): checksum(np.asarray(leaf))
+            for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def json_checksum(value) -> str:
+    """BLAKE2b of a JSON value (sorted keys): the data iterator state's checksum."""
+    text = json.dumps(value, sort_keys=True)
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
 def _key(entry):
@@ -68,7 +106,8 @@ def _from_host(saved, template):
 
 
 class Checkpointer:
-    """Periodic and final checkpoints of a training run under ``directory``."""
+    """Periodic and final checkpoints of a training run under ``directory``, each
+    verified once written (``poll``/``wait``) and again on ``restore``."""
 
     def __init__(self, directory: str | Path, *, keep: int, expert_perm=None):
         self.expert_perm = expert_perm
@@ -76,37 +115,109 @@ class Checkpointer:
             Path(directory).absolute(),
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
             item_names=("state", "data", "meta"))
+        self._pending: tuple[int, Any] | None = None  # (step, host tree) not yet read back
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
+    def all_steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
     def save(self, step: int, state: dict, data_state: dict, meta: dict) -> None:
-        """``state``: a pure dict of arrays (model and optimizer, physical order)."""
+        """``state``: a pure dict of arrays (model and optimizer, physical order);
+        written by orbax in the background, with the checksums in its meta."""
+        self.poll(wait=True)  # the previous save: finished and read back
         host = jax.tree.map(_to_host, _move_experts(state, self.expert_perm, inverse=True))
-        saved = self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(host), data=ocp.args.JsonSave(data_state),
-            meta=ocp.args.JsonSave(dict(meta, step=step))))
+        meta = dict(meta, step=step, checksums=tree_checksums(host),
+                    data_checksum=json_checksum(data_state))
+        try:
+            saved = self.manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(host), data=ocp.args.JsonSave(data_state),
+                meta=ocp.args.JsonSave(meta)))
+        except Exception as err:  # orbax's synchronous part (directories, metadata)
+            raise self._save_error(step, err) from None
         if not saved:  # orbax skips a step at or before the latest one it holds
             raise RuntimeError(f"checkpoint of step {step} not written: "
                                f"{self.manager.directory} already holds step "
                                f"{self.manager.latest_step()}")
+        self._pending = (step, host)
+
+    def poll(self, *, wait: bool = False) -> None:
+        """Once the last save has finished (``wait``: block until it has), read it back
+        and check it; raise ``CheckpointSaveError`` if writing or the check failed."""
+        if self._pending is None or (not wait and self.manager.is_saving_in_progress()):
+            return
+        step, host = self._pending
+        self._pending = None
+        try:
+            self.manager.wait_until_finished()
+            self.manager.check_for_errors()
+        except Exception as err:
+            raise self._save_error(step, err) from None
+        try:
+            self._read(step, host)
+        except CorruptCheckpoint as err:
+            raise CheckpointSaveError(f"checkpoint of step {step} reads back wrong after "
+                                      f"writing: {err}") from None
+
+    def _save_error(self, step: int, err: Exception) -> CheckpointSaveError:
+        cause = " ".join(str(err).split()) or type(err).__name__
+        cause = cause if len(cause) <= 200 else "..." + cause[-200:]  # the OS error ends it
+        return CheckpointSaveError(f"checkpoint of step {step} could not be written to "
+                                   f"{self.manager.directory / str(step)}: {cause}")
+
+    def _corrupt(self, step: int, what: str) -> CorruptCheckpoint:
+        earlier = [s for s in self.all_steps() if s < step]
+        how = (f"resume from an earlier intact step with checkpoint.resume=true "
+               f"checkpoint.step={earlier[-1]} (steps held: {earlier})" if earlier else
+               "no earlier checkpoint is held: start the run again in another out_dir")
+        return CorruptCheckpoint(f"checkpoint step {step} in {self.manager.directory} is "
+                                 f"corrupt: {what}; {how}")
+
+    def _read(self, step: int, target) -> dict:
+        """The items of ``step`` (state restored like host tree ``target``), checked
+        against the checksums in its meta; ``CorruptCheckpoint`` when they differ or a
+        file is missing or unreadable."""
+        try:
+            out = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore(),
+                meta=ocp.args.JsonRestore()))
+        except Exception as err:
+            cause = " ".join(str(err).split())[:200] or type(err).__name__
+            raise self._corrupt(step, f"its files cannot be read ({cause})") from None
+        sums = out["meta"].get("checksums")
+        if sums is None:  # written before checksums existed
+            return out
+        got = tree_checksums(out["state"])
+        bad = sorted(k for k in set(sums) | set(got) if sums.get(k) != got.get(k))
+        if bad:
+            raise self._corrupt(step, f"tensor {bad[0]} differs from its checksum "
+                                f"({len(bad)} of {len(sums)} tensors differ)")
+        if json_checksum(out["data"]) != out["meta"].get("data_checksum"):
+            raise self._corrupt(step, "the data iterator state differs from its checksum")
+        return out
 
     def meta(self, step: int) -> dict:
-        """The "meta" item of ``step`` (its step and the config it was written with)."""
-        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        """The "meta" item of ``step`` (its step, the config and data it was written
+        with, the checksums)."""
+        try:
+            return self.manager.restore(step, args=ocp.args.Composite(
+                meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as err:
+            cause = " ".join(str(err).split())[:200] or type(err).__name__
+            raise self._corrupt(step, f"its meta cannot be read ({cause})") from None
 
     def restore(self, template: dict, place: Callable[[Any, Any], Any],
                 step: int | None = None) -> tuple[dict, dict, dict]:
         """(state laid out like ``template`` and placed by ``place(saved, template_leaf)``,
-        data state, meta) of ``step`` (default: the latest)."""
+        data state, meta) of ``step`` (default: the latest), checked against its
+        checksums."""
         step = self.manager.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.manager.directory}: run without "
                                     "checkpoint.resume=true first")
         target = jax.tree.map(_to_host, _move_experts(template, self.expert_perm, inverse=True))
-        out = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore(),
-            meta=ocp.args.JsonRestore()))
+        out = self._read(step, target)
         mismatched = [(jax.tree_util.keystr(path), np.shape(a), np.shape(b)) for (path, a), b
                       in zip(jax.tree_util.tree_leaves_with_path(out["state"]),
                              jax.tree.leaves(target)) if np.shape(a) != np.shape(b)]
@@ -119,8 +230,17 @@ class Checkpointer:
         state = jax.tree.map(lambda s, t: place(_from_host(s, t), t), saved, template)
         return state, out["data"], out["meta"]
 
+    def delete_after(self, step: int) -> list[int]:
+        """Delete the checkpoints after ``step`` (a resume from an earlier step writes
+        them anew); returns their steps."""
+        later = [s for s in self.all_steps() if s > step]
+        for s in later:
+            self.manager.delete(s)
+        return later
+
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Block until the last save is written and verified."""
+        self.poll(wait=True)
 
     def close(self) -> None:
         self.manager.close()

@@ -117,6 +117,11 @@ class CheckpointConfig:
     every: int = 100
     keep: int = 2
     resume: bool = False
+    # with resume: the step to resume from (None: the latest); later checkpoints are
+    # deleted, as the run writes them anew (after a corrupt latest checkpoint)
+    step: Optional[int] = None
+    # with resume: accept training data whose contents differ from the checkpointed run's
+    accept_changed_data: bool = False
 
 
 @dataclasses.dataclass
@@ -191,6 +196,9 @@ def validate(cfg: TrainConfig) -> None:
     for key, (value, ok, want) in optim_ranges.items():
         if not (ok and math.isfinite(value)):
             raise ConfigError(f"optim.{key}={value} must be finite and {want}")
+    if cfg.checkpoint.step is not None and (cfg.checkpoint.step < 1 or not cfg.checkpoint.resume):
+        raise ConfigError(f"checkpoint.step={cfg.checkpoint.step} picks the step to resume from: "
+                          "give a saved step >= 1 together with checkpoint.resume=true")
     if not 0 < cfg.data.held_out_fraction < 1:
         raise ConfigError(f"data.held_out_fraction={cfg.data.held_out_fraction} must be in (0, 1)")
     if min(cfg.parallel.devices, cfg.parallel.group_size, cfg.parallel.num_chunks,

@@ -9,10 +9,19 @@ If a process exits with an error (or is killed), the launcher stops the others
 (SIGTERM, then SIGKILL after ``grace`` seconds) and exits with an error naming the
 process and its exit code, so a dead peer never leaves the rest waiting in a
 collective.
+
+SIGTERM or SIGINT to the launcher is forwarded to every process as SIGTERM, which
+``aristax train`` takes as a preemption notice (a checkpoint at a step all processes
+agree on, then exit); processes still alive ``grace`` seconds later are killed, and
+the launcher returns 128 + the signal number. The processes run in their own session
+(a terminal's Ctrl-C reaches the launcher only) and die with the launcher if it is
+killed outright (Linux parent-death signal). The launcher holds the output
+directory's run lock for the run's life.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -21,6 +30,8 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+from aristax.train.run_control import LOCK_HOLDER_ENV, run_lock
 
 
 def free_port() -> int:
@@ -33,7 +44,7 @@ def process_env(process_id: int, num_processes: int, port: int) -> dict[str, str
     env = dict(os.environ)
     env.update(ARISTAX_COORDINATOR=f"127.0.0.1:{port}",
                ARISTAX_NUM_PROCESSES=str(num_processes), ARISTAX_PROCESS_ID=str(process_id),
-               JAX_PLATFORMS="cpu")
+               JAX_PLATFORMS="cpu", **{LOCK_HOLDER_ENV: str(os.getpid())})
     env.pop("XLA_FLAGS", None)  # the train process sets its own device count
     return env
 
@@ -51,17 +62,54 @@ def check_processes(num_processes: int, devices: int) -> None:
                          f"to a multiple of {num_processes}")
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the launcher dies (Linux prctl
+    PR_SET_PDEATHSIG; elsewhere nothing)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+
+
+class _Signals:
+    """SIGTERM/SIGINT handlers that record the signal (restored by ``restore``)."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous = {sig: signal.signal(sig, self._note)
+                          for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def _note(self, signum, frame) -> None:
+        del frame
+        self.received = signum
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
 def launch(config: str, overrides: Sequence[str], num_processes: int, *, out_dir: Path,
            devices: int = 0, grace: float = 10.0, poll: float = 0.2, log=print) -> int:
     """Run ``aristax train config overrides`` in ``num_processes`` local processes
-    sharing ``devices`` CPU devices (the config's ``parallel.devices``).
+    sharing ``devices`` CPU devices (the config's ``parallel.devices``), holding
+    ``out_dir``'s run lock.
 
-    Raises ValueError (see :func:`check_processes`) before starting any process.
-    Returns 0 when every process finished; raises RuntimeError naming the first
-    process that failed (after stopping the others).
+    Raises ValueError (see :func:`check_processes`) before starting any process, and
+    ``RunLocked`` when another run holds ``out_dir``. Returns 0 when every process
+    finished, 128 + the signal number after forwarding a SIGTERM/SIGINT; raises
+    RuntimeError naming the first process that failed (after stopping the others).
     """
     check_processes(num_processes, devices)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    with run_lock(out_dir):
+        signals = _Signals()
+        try:
+            return _run_processes(config, overrides, num_processes, out_dir, grace, poll,
+                                  log, signals)
+        finally:
+            signals.restore()
+
+
+def _run_processes(config, overrides, num_processes, out_dir, grace, poll, log,
+                   signals: _Signals) -> int:
+    """``launch``'s body: start the processes and watch them."""
     port = free_port()
     command = [sys.executable, "-m", "aristax.cli", "train", config, *overrides]
     procs, logs = [], []
@@ -71,10 +119,17 @@ def launch(config: str, overrides: Sequence[str], num_processes: int, *, out_dir
             logs.append((out_dir / f"process_{i}.log").open("w"))
             out = logs[-1]
         procs.append(subprocess.Popen(command, env=process_env(i, num_processes, port),
-                                      stdout=out, stderr=subprocess.STDOUT if out else None))
+                                      stdout=out, stderr=subprocess.STDOUT if out else None,
+                                      start_new_session=True, preexec_fn=_die_with_parent))
         log(f"launch: process {i} pid {procs[-1].pid}")
     try:
         while True:
+            if signals.received is not None:
+                name = signal.Signals(signals.received).name
+                log(f"launch: {name}: asked the {num_processes} processes to checkpoint and "
+                    f"stop (SIGTERM; killed after {grace:g} s)")
+                stop(procs, grace)
+                return 128 + signals.received
             codes = [p.poll() for p in procs]
             failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:

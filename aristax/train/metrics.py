@@ -2,7 +2,8 @@
 
 Only process 0 writes. ``metrics.jsonl`` holds one JSON object per training step
 (step, loss, aux_loss, tokens_per_s, mfu, dropped_fraction, router_entropy,
-expert_load [L][E]) and one per evaluation (step, eval_loss).
+expert_load [L][E]) and one per evaluation (step, eval_loss), as strict JSON: a NaN
+or infinite value (a diverged loss) is written as null.
 """
 
 from __future__ import annotations
@@ -13,6 +14,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+
+def strict_json(row: dict[str, Any]) -> str:
+    """``row`` as one line of strict JSON: non-finite floats (also in lists) as null."""
+    def clean(value):
+        if isinstance(value, float) and not np.isfinite(value):
+            return None
+        if isinstance(value, (list, tuple)):
+            return [clean(v) for v in value]
+        return value
+
+    return json.dumps({k: clean(v) for k, v in row.items()}, allow_nan=False)
 
 
 class MetricsWriter:
@@ -31,7 +44,7 @@ class MetricsWriter:
             if self.path.exists():
                 kept = [r for r in read_rows(self.path) if 0 < r["step"] <= start_step]
                 self.rows = kept if start_step else []
-                self.path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
+                self.path.write_text("".join(strict_json(r) + "\n" for r in self.rows))
             self._file = self.path.open("a")
             from tensorboardX import SummaryWriter
 
@@ -44,7 +57,7 @@ class MetricsWriter:
         self.rows.append(row)
         if not self.enabled:
             return
-        self._file.write(json.dumps(row) + "\n")
+        self._file.write(strict_json(row) + "\n")
         self._file.flush()
         for key, value in row.items():
             if key != "step" and isinstance(value, (int, float)):

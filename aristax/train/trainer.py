@@ -35,10 +35,11 @@ from omegaconf import OmegaConf
 from aristax.models.mixtral import Mixtral
 from aristax.parallel.measure import matmul_flops
 from aristax.train import data as data_lib
-from aristax.train.checkpoint import Checkpointer
+from aristax.train.checkpoint import Checkpointer, checksum
 from aristax.train.config import ConfigError, TrainConfig, mixtral_config, moe_config
 from aristax.train.metrics import MetricsWriter, plot_run
 from aristax.train.parallel_setup import batch_sharding, plan_and_mesh, start_processes
+from aristax.train.run_control import Preemption, check_free_space, run_lock
 
 
 @dataclasses.dataclass
@@ -161,24 +162,60 @@ def run_identity(cfg: TrainConfig) -> dict[str, Any]:
     return {k: v for k, v in flat.items() if k not in RESUMABLE_CHANGES}
 
 
-def start_step_and_data(cfg: TrainConfig, ckpt: Checkpointer, model, optimizer):
-    """(first step, data iterator state) of the run: 0 and None for a fresh run in an
-    ``out_dir`` without checkpoints; else the latest checkpoint's, restored into
-    ``model`` and ``optimizer`` after checking it belongs to this config."""
+def data_fingerprint(cfg: TrainConfig, tokens: np.ndarray) -> dict[str, str]:
+    """What a checkpoint records of its training data: the source and a checksum of
+    its token ids."""
+    return {"source": cfg.data.source, "checksum": checksum(tokens)}
+
+
+def _resume_step(cfg: TrainConfig, ckpt: Checkpointer) -> int | None:
+    """The checkpoint step the run continues from (None: a fresh run), checked
+    against what ``out_dir`` holds."""
     latest = ckpt.latest_step()
     if not cfg.checkpoint.resume:
         if latest is not None:
             raise ConfigError(f"out_dir={cfg.out_dir} already holds checkpoints (latest step "
                               f"{latest}); continue that run with checkpoint.resume=true, or "
                               "start a new one with another out_dir= or name=")
-        return 0, None
+        return None
     if latest is None:
         raise ConfigError(f"checkpoint.resume=true but out_dir={cfg.out_dir} holds no "
                           "checkpoint; run without it first")
-    if latest >= cfg.steps:
-        raise ConfigError(f"the run in {cfg.out_dir} is at step {latest} and steps="
+    step = latest if cfg.checkpoint.step is None else cfg.checkpoint.step
+    if step not in ckpt.all_steps():
+        raise ConfigError(f"checkpoint.step={step}: out_dir={cfg.out_dir} holds the steps "
+                          f"{ckpt.all_steps()}; pick one of them")
+    if step >= cfg.steps:
+        raise ConfigError(f"the run in {cfg.out_dir} is at step {step} and steps="
                           f"{cfg.steps}: nothing to train; raise steps= to continue it")
-    saved = ckpt.meta(latest).get("config")
+    return step
+
+
+def _check_same_data(cfg: TrainConfig, meta: dict, fingerprint: dict[str, str]) -> None:
+    """ConfigError when the checkpoint's data fingerprint differs from ``fingerprint``
+    (unless ``checkpoint.accept_changed_data``)."""
+    saved = meta.get("data")
+    if saved is None or saved == fingerprint or cfg.checkpoint.accept_changed_data:
+        return
+    raise ConfigError(
+        f"data.source={cfg.data.source!r} now holds other tokens than the checkpointed run "
+        f"trained on ({saved['source']!r}, checksum {saved['checksum']} -> "
+        f"{fingerprint['checksum']}); resume on the same data, or set "
+        "checkpoint.accept_changed_data=true to continue on these")
+
+
+def start_step_and_data(cfg: TrainConfig, ckpt: Checkpointer, model, optimizer,
+                        fingerprint: dict[str, str]):
+    """(first step, data iterator state, later checkpoints deleted) of the run: 0,
+    None, [] for a fresh run in an ``out_dir`` without checkpoints; else the
+    checkpoint's (the latest, or ``checkpoint.step``), restored into ``model`` and
+    ``optimizer`` after checking it belongs to this config and data, and verifying
+    its checksums."""
+    step = _resume_step(cfg, ckpt)
+    if step is None:
+        return 0, None, []
+    meta = ckpt.meta(step)
+    saved = meta.get("config")
     if saved is not None:
         now = run_identity(cfg)
         changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
@@ -188,9 +225,10 @@ def start_step_and_data(cfg: TrainConfig, ckpt: Checkpointer, model, optimizer):
                 + ", ".join(f"{k}={now.get(k)!r} (was {saved.get(k)!r})" for k in changed)
                 + "; resume with its values (steps, logging, eval, checkpoint and "
                 "parallel.* may change)")
-    state, data_state, meta = ckpt.restore(_state_dict(model, optimizer), _place_like, latest)
+    _check_same_data(cfg, meta, fingerprint)
+    state, data_state, meta = ckpt.restore(_state_dict(model, optimizer), _place_like, step)
     _restore_pure(model, optimizer, state)
-    return int(meta["step"]), data_state
+    return int(meta["step"]), data_state, ckpt.delete_after(step)
 
 
 # ------------------------------------------------------------------ the run
@@ -215,6 +253,8 @@ class _Run:
     start_step: int
     stream: Any  # data_lib.batches iterator of this process's rows
     sharding: Any  # of a global batch, None without a mesh
+    fingerprint: dict  # of the training data (``data_fingerprint``)
+    deleted: list  # checkpoint steps after the resumed one, deleted at set-up
 
     @property
     def main(self) -> bool:
@@ -230,15 +270,15 @@ class _Run:
 
 
 def _set_up(cfg: TrainConfig) -> _Run:
-    """Processes, plan and mesh, data, the sharded model and optimizer, restored from
-    the latest checkpoint when resuming."""
-    start_processes(cfg)
+    """Plan and mesh, data, the sharded model and optimizer (checked to fit the disk
+    twice over), restored from a checkpoint when resuming. The processes are started
+    (``start_processes``)."""
     proc, nproc = jax.process_index(), jax.process_count()
     devices = jax.devices()
     plan, mesh = plan_and_mesh(cfg, devices)
     m = cfg.model
     check_batch_split(cfg, mesh, nproc)
-    tokens, vocab = data_lib.read_tokens(cfg.data)
+    tokens, vocab = data_lib.read_tokens(cfg.data, m.vocab_size)
     vocab = max(vocab, m.vocab_size)
     train_tokens, held_out = data_lib.split(tokens, cfg.data.held_out_fraction, m.seq_len)
     model = build_model(cfg, vocab, mesh, plan)
@@ -246,9 +286,14 @@ def _set_up(cfg: TrainConfig) -> _Run:
     shard_module(model, mesh)
     shard_module(optimizer, mesh)
     options = model.layers[0].moe.plan_call_options(cfg.data.batch_size * m.seq_len) or {}
+    if proc == 0:
+        check_free_space(Path(cfg.out_dir), sum(
+            getattr(a, "nbytes", 0) for a in jax.tree.leaves(_state_dict(model, optimizer))))
     ckpt = Checkpointer(Path(cfg.out_dir) / "checkpoints", keep=cfg.checkpoint.keep,
                         expert_perm=options.get("expert_perm"))
-    start_step, data_state = start_step_and_data(cfg, ckpt, model, optimizer)
+    fingerprint = data_fingerprint(cfg, tokens)
+    start_step, data_state, deleted = start_step_and_data(cfg, ckpt, model, optimizer,
+                                                          fingerprint)
     stream = data_lib.batches(train_tokens, m.seq_len, cfg.data.batch_size // nproc,
                               seed=cfg.data.seed, process_index=proc, process_count=nproc,
                               state=data_state)
@@ -256,7 +301,7 @@ def _set_up(cfg: TrainConfig) -> _Run:
                 plan=plan, mesh=mesh, options=options, vocab=vocab,
                 train_tokens=train_tokens, held_out=held_out, model=model,
                 optimizer=optimizer, ckpt=ckpt, start_step=start_step, stream=stream,
-                sharding=batch_sharding(mesh))
+                sharding=batch_sharding(mesh), fingerprint=fingerprint, deleted=deleted)
 
 
 def make_steps(bias_update: bool):
@@ -301,6 +346,9 @@ def _announce(run: _Run, log) -> None:
         f"(top-{m.top_k}, {m.router}), d_model {m.d_model}; {len(run.train_tokens):,} "
         f"training tokens from {cfg.data.source}; {len(run.devices)} devices in "
         f"{run.nproc} process(es), {mesh_text}; steps {run.start_step + 1}..{cfg.steps}")
+    if run.deleted:
+        log(f"resumed from step {run.start_step}: deleted the later checkpoints {run.deleted}, "
+            "which this run writes anew")
 
 
 def step_row(step: int, metrics: dict, seconds: float, tokens_per_step: int,
@@ -316,17 +364,40 @@ def step_row(step: int, metrics: dict, seconds: float, tokens_per_step: int,
             "expert_load": np.asarray(metrics["expert_load"]).tolist()}
 
 
-def _train_loop(run: _Run, writer: MetricsWriter, row_of, log
-                ) -> tuple[list[float], list[tuple[int, float]], list[float]]:
-    """Steps ``start_step + 1 .. steps``: logs, evaluates and checkpoints on schedule.
-    ``row_of(step, metrics, seconds)`` makes a step's row. Returns (losses, (step,
-    held-out loss) pairs, seconds of each step: data + step, without evaluation and
-    checkpoints)."""
+@jax.jit
+def _all_finite(params) -> jax.Array:
+    """Whether every floating array of ``params`` is finite."""
+    return jnp.all(jnp.asarray([jnp.all(jnp.isfinite(a)) for a in jax.tree.leaves(params)
+                                if jnp.issubdtype(a.dtype, jnp.inexact)]))
+
+
+def _save(run: _Run, step: int) -> None:
+    """Checkpoint ``step``, unless the parameters are no longer finite (then
+    FloatingPointError: the latest finite checkpoint stays the latest)."""
+    if not bool(_all_finite(nnx.state(run.model, nnx.Param))):
+        raise FloatingPointError(
+            f"step {step}: the parameters are no longer finite; no checkpoint written (the "
+            f"latest, step {run.ckpt.latest_step()}, stays); lower optim.lr or raise "
+            "optim.warmup_steps and resume from it")
+    run.ckpt.save(step, _state_dict(run.model, run.optimizer), run.stream.get_state(),
+                  {"name": run.cfg.name, "config": run_identity(run.cfg),
+                   "data": run.fingerprint})
+
+
+def _train_loop(run: _Run, writer: MetricsWriter, row_of, log, preemption: Preemption
+                ) -> tuple[list[float], list[tuple[int, float]], list[float], int | None]:
+    """Steps ``start_step + 1 .. steps``: logs, evaluates and checkpoints on schedule,
+    checks each finished checkpoint (``Checkpointer.poll``), and stops after a
+    checkpoint at the step ``preemption`` names. ``row_of(step, metrics, seconds)``
+    makes a step's row. Returns (losses, (step, held-out loss) pairs, seconds of each
+    step: data + step, without evaluation and checkpoints, the step it stopped at on
+    a preemption notice or None)."""
     cfg = run.cfg
     train_step, eval_step = make_steps(cfg.model.bias_update_rate > 0)
     losses, evals, step_s = [], [], []
     progress = _progress(cfg, run.main, run.start_step)
     for step in range(run.start_step + 1, cfg.steps + 1):
+        run.ckpt.poll()
         t0 = time.perf_counter()
         metrics = jax.device_get(train_step(run.model, run.optimizer,
                                             _global_batch(next(run.stream), run.sharding)))
@@ -343,10 +414,12 @@ def _train_loop(run: _Run, writer: MetricsWriter, row_of, log
             writer.write({"step": step, "eval_loss": evals[-1][1]})
             if run.main:
                 log(f"step {step}: held-out loss {evals[-1][1]:.3f}")
-        if step % cfg.checkpoint.every == 0 or step == cfg.steps:
-            run.ckpt.save(step, _state_dict(run.model, run.optimizer), run.stream.get_state(),
-                          {"name": cfg.name, "config": run_identity(cfg)})
-    return losses, evals, step_s
+        preempted = preemption.reached(step)
+        if preempted or step % cfg.checkpoint.every == 0 or step == cfg.steps:
+            _save(run, step)
+        if preempted:
+            return losses, evals, step_s, step
+    return losses, evals, step_s, None
 
 
 def _summary(run: _Run, losses, evals, step_s, rows) -> dict[str, Any]:
@@ -384,7 +457,20 @@ def _report(out_dir: Path, summary: dict[str, Any], rows, log) -> None:
 
 
 def train(cfg: TrainConfig, *, log=print) -> RunResult:
-    """Run ``cfg`` (see the module docstring); returns losses and the summary."""
+    """Run ``cfg`` (see the module docstring); returns losses and the summary. Process
+    0 holds ``out_dir``'s run lock for the run's life (``RunLocked`` if another run
+    holds it)."""
+    start_processes(cfg)
+    with run_lock(Path(cfg.out_dir), enabled=jax.process_index() == 0):
+        preemption = Preemption()
+        try:
+            return _run(cfg, log, preemption)
+        finally:
+            preemption.close()
+
+
+def _run(cfg: TrainConfig, log, preemption: Preemption) -> RunResult:
+    """``train``'s body, once the processes are up and the run lock is held."""
     run = _set_up(cfg)
     writer = MetricsWriter(run.out_dir, enabled=run.main, start_step=run.start_step)
     device = run.devices[0]
@@ -396,11 +482,19 @@ def train(cfg: TrainConfig, *, log=print) -> RunResult:
     def row_of(step, metrics, seconds):
         return step_row(step, metrics, seconds, run.tokens_per_step, fpt, peak)
 
-    losses, evals, step_s = _train_loop(run, writer, row_of, log)
-    run.ckpt.wait()
-    run.ckpt.close()
+    try:
+        losses, evals, step_s, stopped = _train_loop(run, writer, row_of, log, preemption)
+        run.ckpt.wait()
+    finally:
+        writer.close()
+        run.ckpt.close()
+    if stopped is not None:
+        if run.main:
+            log(f"aristax train: stopped by SIGTERM after step {stopped}; checkpoint saved in "
+                f"{run.out_dir / 'checkpoints' / str(stopped)}; continue with "
+                "checkpoint.resume=true")
+        return RunResult(losses, evals, run.out_dir, {"stopped_at": stopped})
     summary = _summary(run, losses, evals, step_s, writer.rows)
-    writer.close()
     if run.nproc > 1:  # every process's view of the global loss: they must agree
         log(f"process {run.proc} losses {json.dumps(losses)}")
     if run.main:
