@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -183,8 +184,10 @@ class Checkpointer:
                 state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore(),
                 meta=ocp.args.JsonRestore()))
         except Exception as err:
-            cause = " ".join(str(err).split())[:200] or type(err).__name__
-            raise self._corrupt(step, f"its files cannot be read ({cause})") from None
+            cause = " ".join(str(err).split()) or type(err).__name__
+            tensor = re.search(r'reading "([^"/]+)', cause)  # tensorstore names the array
+            what = f"tensor {tensor[1]} cannot be read" if tensor else "its files cannot be read"
+            raise self._corrupt(step, f"{what} ({cause[:200]})") from None
         sums = out["meta"].get("checksums")
         if sums is None:  # written before checksums existed
             return out

@@ -93,6 +93,7 @@ def test_flipped_bytes_are_refused_and_an_earlier_step_resumes(tmp_path):
     line = one_line(err)
     assert code == 2
     assert "checkpoint step 4" in line and "corrupt" in line and "checkpoint.step=2" in line
+    assert re.search(r"tensor \S+ (cannot be read|differs from its checksum)", line), line
     code, out_text, err = run(out, "steps=6", "checkpoint.every=2", "eval_every=6",
                               "checkpoint.resume=true", "checkpoint.step=2")
     assert code == 0, err[-3000:]

@@ -1,0 +1,67 @@
+"""Checkpoint values changed without breaking the files (silent corruption that the
+storage layer cannot see: a bit flip in memory before the write, a tool that rewrote
+an array) are caught by the checksums, naming the tensor and the step."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from aristax.train.checkpoint import Checkpointer, CorruptCheckpoint, checksum
+
+
+def state(seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"model": {"w": rng.standard_normal((4, 3)).astype(np.float32),
+                      "b": rng.standard_normal(3).astype(np.float32)},
+            "optimizer": {"count": np.asarray(seed, np.int32)}}
+
+
+def save_steps(directory, steps) -> Checkpointer:
+    ckpt = Checkpointer(directory, keep=5)
+    for step in steps:
+        ckpt.save(step, state(step), {"position": step}, {"name": "t"})
+    ckpt.wait()
+    return ckpt
+
+
+def rewrite_state(directory, step: int, change) -> None:
+    """Rewrite the "state" item of ``step`` with orbax itself, ``change`` applied: the
+    files stay valid, only the values differ from what was checksummed."""
+    item = directory / str(step) / "state"
+    with ocp.StandardCheckpointer() as checkpointer:
+        values = checkpointer.restore(item)
+        change(values)
+        shutil.rmtree(item)
+        checkpointer.save(item, values)
+
+
+def test_a_changed_tensor_is_named_with_the_step_to_resume_from(tmp_path):
+    ckpt = save_steps(tmp_path, [1, 2])
+    rewrite_state(tmp_path, 2, lambda v: v["model"]["w"].__setitem__((1, 2), 7.0))
+    with pytest.raises(CorruptCheckpoint, match=r"step 2 .*tensor \['model'\]\['w'\] "
+                                                r"differs.*checkpoint.step=1"):
+        ckpt.restore(state(0), lambda saved, template: saved, 2)
+    restored, data, meta = ckpt.restore(state(0), lambda saved, template: saved, 1)
+    assert checksum(restored["model"]["w"]) == checksum(state(1)["model"]["w"])
+    assert data == {"position": 1} and meta["step"] == 1
+    ckpt.close()
+
+
+def test_a_changed_data_state_is_refused(tmp_path):
+    ckpt = save_steps(tmp_path, [3])
+    data = tmp_path / "3" / "data" / "metadata"  # orbax's JSON item: {"position": 3}
+    data.write_text(data.read_text().replace("3", "4"))
+    with pytest.raises(CorruptCheckpoint, match="data iterator state.*no earlier checkpoint"):
+        ckpt.restore(state(0), lambda saved, template: saved, 3)
+    ckpt.close()
+
+
+def test_checksums_see_dtype_shape_and_values():
+    a = np.arange(6, dtype=np.float32)
+    assert checksum(a) == checksum(a.copy())
+    assert len({checksum(a), checksum(a.reshape(2, 3)), checksum(a.astype(np.float64)),
+                checksum(np.where(a == 5, np.nextafter(a, np.float32(9)), a))}) == 4
