@@ -33,7 +33,9 @@ class ConfigError(ValueError):
 class LMConfig:
     """The language model around the MoE blocks, and the widths they share with it."""
 
-    vocab_size: int = 256  # bytes; a tokenizer file or token array sets its own
+    # None: the data's (256 for bytes, a tokenizer's, a token array's max id + 1); a
+    # value must cover the data's ids (a larger one only widens the embedding)
+    vocab_size: Optional[int] = None
     d_model: int = 64
     num_layers: int = 2
     num_heads: int = 4
@@ -243,7 +245,8 @@ def mixtral_config(m: ModelConfig, vocab_size: int | None = None) -> MixtralConf
     ``jax_default_matmul_precision`` (TF32 for float32 on a GPU unless set), as the MFU
     probe does; the model's own default, full float32, is for Hugging Face parity."""
     return MixtralConfig(
-        vocab_size=vocab_size or m.vocab_size, hidden_size=m.d_model, intermediate_size=m.d_ff,
+        vocab_size=vocab_size or m.vocab_size or 256, hidden_size=m.d_model,
+        intermediate_size=m.d_ff,
         num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
         num_key_value_heads=m.num_kv_heads, num_local_experts=m.num_experts,
         num_experts_per_tok=m.top_k, rope_theta=m.rope_theta,

@@ -84,7 +84,7 @@ def flops_per_token(cfg: TrainConfig, vocab_size: int | None = None) -> float:
     attn = m.d_model * head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
     gated = 3 if m.activation in ("swiglu", "geglu") else 2
     ffn = gated * m.d_model * m.d_ff * (m.top_k + m.num_shared_experts)
-    vocab = vocab_size or m.vocab_size
+    vocab = vocab_size or m.vocab_size or 256
     active = m.num_layers * (attn + ffn + m.d_model * m.num_experts) + m.d_model * vocab
     return 6.0 * active + 12.0 * m.num_layers * m.d_model * m.seq_len
 
@@ -160,6 +160,21 @@ def run_identity(cfg: TrainConfig) -> dict[str, Any]:
     full = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     flat = _flat({k: full[k] for k in ("model", "data", "optim")})
     return {k: v for k, v in flat.items() if k not in RESUMABLE_CHANGES}
+
+
+def model_vocab(cfg: TrainConfig, data_vocab: int) -> int:
+    """The model's vocabulary: ``model.vocab_size``, else the data's ``data_vocab``
+    (bytes: 256, a tokenizer's, a token array's max id + 1); ConfigError when a set
+    ``model.vocab_size`` is smaller than the data needs."""
+    size = cfg.model.vocab_size
+    if size is None:
+        return data_vocab
+    if size < data_vocab:
+        raise ConfigError(f"model.vocab_size={size} but data.source={cfg.data.source!r} needs "
+                          f"{data_vocab} (its largest token id + 1, or its tokenizer's "
+                          f"vocabulary): set model.vocab_size >= {data_vocab}, or leave it "
+                          "unset to take the data's")
+    return size
 
 
 def data_fingerprint(cfg: TrainConfig, tokens: np.ndarray) -> dict[str, str]:
@@ -278,8 +293,8 @@ def _set_up(cfg: TrainConfig) -> _Run:
     plan, mesh = plan_and_mesh(cfg, devices)
     m = cfg.model
     check_batch_split(cfg, mesh, nproc)
-    tokens, vocab = data_lib.read_tokens(cfg.data, m.vocab_size)
-    vocab = max(vocab, m.vocab_size)
+    tokens, data_vocab = data_lib.read_tokens(cfg.data, m.vocab_size or 0)
+    vocab = model_vocab(cfg, data_vocab)
     train_tokens, held_out = data_lib.split(tokens, cfg.data.held_out_fraction, m.seq_len)
     model = build_model(cfg, vocab, mesh, plan)
     optimizer = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)

@@ -12,8 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from aristax.train import ConfigError, load_config
 from aristax.train.config import DataConfig
 from aristax.train.data import MAX_INFERRED_VOCAB, read_tokens
+from aristax.train.trainer import model_vocab
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -77,3 +79,17 @@ def test_train_refuses_them_in_one_line_before_training(tmp_path):
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("aristax train: data.source="), run.stderr
     assert "4,294,967,301" in lines[0]
+
+
+def test_a_set_vocab_size_below_the_data_ids_is_refused(tmp_path):
+    """model.vocab_size=100 with ids up to 199: refused before any work (it used to be
+    raised silently to the data's 200); unset, the data's vocabulary is taken."""
+    tokens = tmp_path / "t.npy"
+    np.save(tokens, np.arange(200, dtype=np.int32))
+    cfg = load_config("experiments/configs/tiny.yaml", [f"data.source={tokens}",
+                                                         "model.vocab_size=100"])
+    with pytest.raises(ConfigError, match=r"model.vocab_size=100 .* needs 200"):
+        model_vocab(cfg, 200)
+    assert model_vocab(load_config("experiments/configs/tiny.yaml", []), 200) == 200
+    assert model_vocab(load_config("experiments/configs/tiny.yaml", ["model.vocab_size=300"]),
+                       200) == 300
