@@ -145,10 +145,20 @@ class Checkpointer:
 
     def poll(self, *, wait: bool = False) -> None:
         """Once the last save has finished (``wait``: block until it has), read it back
-        and check it; raise ``CheckpointSaveError`` if writing or the check failed."""
-        if self._pending is None or (not wait and self.manager.is_saving_in_progress()):
+        and check it; raise ``CheckpointSaveError`` if writing or the check failed.
+        With several processes a poll that does not wait only looks for a failed write
+        (a local check): the read-back, which may synchronise the processes, waits for
+        the next save or the end, which every process reaches at the same step."""
+        if self._pending is None:
             return
         step, host = self._pending
+        if not wait:
+            try:
+                self.manager.check_for_errors()
+            except Exception as err:
+                raise self._save_error(step, err) from None
+            if jax.process_count() > 1 or self.manager.is_saving_in_progress():
+                return
         self._pending = None
         try:
             self.manager.wait_until_finished()
