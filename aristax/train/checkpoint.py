@@ -51,9 +51,14 @@ def checksum(array: np.ndarray) -> str:
     return digest.hexdigest()
 
 
+def tensor_name(path) -> str:
+    """A tree path as the dotted name orbax and tensorstore use ("model.embed_vd")."""
+    return ".".join(str(_key(entry)) for entry in path)
+
+
 def tree_checksums(tree) -> dict[str, str]:
-    """{keystr path: ``checksum``} of every array leaf of ``tree`` (host arrays)."""
-    return {jax.tree_util.keystr(path): checksum(np.asarray(leaf))
+    """{``tensor_name``: ``checksum``} of every array leaf of ``tree`` (host arrays)."""
+    return {tensor_name(path): checksum(np.asarray(leaf))
             for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
@@ -177,18 +182,36 @@ class Checkpointer:
         return CheckpointSaveError(f"checkpoint of step {step} could not be written to "
                                    f"{self.manager.directory / str(step)}: {cause}")
 
-    def _corrupt(self, step: int, what: str) -> CorruptCheckpoint:
+    def _corrupt(self, step: int, what: str, target=None) -> CorruptCheckpoint:
+        """The error for ``step``, with the newest earlier step that reads back intact
+        (checked like ``step`` when the state's ``target`` is known) to resume from."""
         earlier = [s for s in self.all_steps() if s < step]
-        how = (f"resume from an earlier intact step with checkpoint.resume=true "
-               f"checkpoint.step={earlier[-1]} (steps held: {earlier})" if earlier else
-               "no earlier checkpoint is held: start the run again in another out_dir")
+        intact = next((s for s in reversed(earlier)
+                       if target is None or self._intact(s, target)), None)
+        if intact is not None:
+            checked = "intact" if target is not None else "earlier"
+            how = (f"resume from the {checked} step {intact} with checkpoint.resume=true "
+                   f"checkpoint.step={intact} (steps held: {earlier})")
+        else:
+            how = (f"no earlier checkpoint reads back intact (steps held: {earlier}): start "
+                   "the run again in another out_dir")
         return CorruptCheckpoint(f"checkpoint step {step} in {self.manager.directory} is "
                                  f"corrupt: {what}; {how}")
 
-    def _read(self, step: int, target) -> dict:
+    def _intact(self, step: int, target) -> bool:
+        try:
+            self._read(step, target, hint=False)
+        except CorruptCheckpoint:
+            return False
+        return True
+
+    def _read(self, step: int, target, *, hint: bool = True) -> dict:
         """The items of ``step`` (state restored like host tree ``target``), checked
         against the checksums in its meta; ``CorruptCheckpoint`` when they differ or a
-        file is missing or unreadable."""
+        file is missing or unreadable (``hint``: naming an intact earlier step)."""
+        def corrupt(what):
+            return self._corrupt(step, what, target) if hint else CorruptCheckpoint(what)
+
         try:
             out = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore(),
@@ -197,17 +220,17 @@ class Checkpointer:
             cause = " ".join(str(err).split()) or type(err).__name__
             tensor = re.search(r'reading "([^"/]+)', cause)  # tensorstore names the array
             what = f"tensor {tensor[1]} cannot be read" if tensor else "its files cannot be read"
-            raise self._corrupt(step, f"{what} ({cause[:200]})") from None
+            raise corrupt(f"{what} ({cause[:200]})") from None
         sums = out["meta"].get("checksums")
         if sums is None:  # written before checksums existed
             return out
         got = tree_checksums(out["state"])
         bad = sorted(k for k in set(sums) | set(got) if sums.get(k) != got.get(k))
         if bad:
-            raise self._corrupt(step, f"tensor {bad[0]} differs from its checksum "
-                                f"({len(bad)} of {len(sums)} tensors differ)")
+            raise corrupt(f"tensor {bad[0]} differs from its checksum ({len(bad)} of "
+                          f"{len(sums)} tensors differ)")
         if json_checksum(out["data"]) != out["meta"].get("data_checksum"):
-            raise self._corrupt(step, "the data iterator state differs from its checksum")
+            raise corrupt("the data iterator state differs from its checksum")
         return out
 
     def meta(self, step: int) -> dict:

@@ -54,20 +54,31 @@ def run_lock(out_dir: Path, *, enabled: bool = True) -> Iterator[None]:
 
 
 class Preemption:
-    """SIGTERM as a preemption notice. ``reached(step)`` is True at the step boundary
-    where the run should save and stop: with several processes, JAX's preemption
-    sync point (its notifier catches SIGTERM on any process and every process agrees
-    on the step); in one process, after a SIGTERM caught here. ``close`` restores the
-    previous handler."""
+    """SIGTERM (a preemption notice) or Ctrl-C as a request to stop cleanly.
+    ``reached(step)`` is True at the step boundary where the run should save and stop:
+    with several processes, JAX's preemption sync point (its notifier catches SIGTERM
+    on any process and every process agrees on the step); in one process, after a
+    SIGTERM or SIGINT caught here (a second Ctrl-C interrupts at once). ``close``
+    restores the previous handlers."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
         self.signum: int | None = None
         self._multi = jax.process_count() > 1
-        self._previous = None if self._multi else signal.signal(signal.SIGTERM, self._note)
+        self._previous = {} if self._multi else {
+            sig: signal.signal(sig, self._note) for sig in self.SIGNALS}
 
     def _note(self, signum, frame) -> None:
         del frame
-        self.signum = signum
+        if self.signum is None:
+            self.signum = signum
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # the next Ctrl-C: now
+
+    @property
+    def name(self) -> str:
+        """The signal that stopped the run ("SIGTERM" with several processes)."""
+        return signal.Signals(self.signum or signal.SIGTERM).name
 
     def reached(self, step: int) -> bool:
         if self._multi:
@@ -75,9 +86,9 @@ class Preemption:
         return self.signum is not None
 
     def close(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
 
 
 def check_free_space(directory: Path, checkpoint_bytes: int) -> None:

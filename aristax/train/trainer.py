@@ -127,7 +127,8 @@ def _state_dict(model, optimizer) -> dict:
 # ------------------------------------------------------------------ checks
 # config keys a resumed run may change; every other model.*, data.* and optim.* key
 # must equal the checkpointed run's
-RESUMABLE_CHANGES = ("model.implementation",)
+RESUMABLE_CHANGES = ("model.implementation",
+                     "data.source")  # the tokens' checksum decides (_check_same_data)
 
 
 def check_batch_split(cfg: TrainConfig, mesh, num_processes: int) -> None:
@@ -210,7 +211,8 @@ def _check_same_data(cfg: TrainConfig, meta: dict, fingerprint: dict[str, str]) 
     """ConfigError when the checkpoint's data fingerprint differs from ``fingerprint``
     (unless ``checkpoint.accept_changed_data``)."""
     saved = meta.get("data")
-    if saved is None or saved == fingerprint or cfg.checkpoint.accept_changed_data:
+    if (saved is None or saved["checksum"] == fingerprint["checksum"]
+            or cfg.checkpoint.accept_changed_data):
         return
     raise ConfigError(
         f"data.source={cfg.data.source!r} now holds other tokens than the checkpointed run "
@@ -233,7 +235,8 @@ def start_step_and_data(cfg: TrainConfig, ckpt: Checkpointer, model, optimizer,
     saved = meta.get("config")
     if saved is not None:
         now = run_identity(cfg)
-        changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+        changed = sorted(k for k in set(saved) | set(now)
+                         if saved.get(k) != now.get(k) and k not in RESUMABLE_CHANGES)
         if changed:
             raise ConfigError(
                 "checkpoint.resume=true with another config than the checkpointed run's: "
@@ -505,7 +508,8 @@ def _run(cfg: TrainConfig, log, preemption: Preemption) -> RunResult:
         run.ckpt.close()
     if stopped is not None:
         if run.main:
-            log(f"aristax train: stopped by SIGTERM after step {stopped}; checkpoint saved in "
+            log(f"aristax train: stopped by {preemption.name} after step {stopped}; checkpoint "
+                f"saved in "
                 f"{run.out_dir / 'checkpoints' / str(stopped)}; continue with "
                 "checkpoint.resume=true")
         return RunResult(losses, evals, run.out_dir, {"stopped_at": stopped})

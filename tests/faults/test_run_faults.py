@@ -155,6 +155,17 @@ def test_sigterm_checkpoints_at_the_next_step_and_resume_continues_exactly(tmp_p
     assert [resumed[s] for s in (stopped + 1, end)] == [straight[s] for s in (stopped + 1, end)]
 
 
+def test_ctrl_c_to_a_run_checkpoints_at_the_next_step(tmp_path):
+    out = tmp_path / "run"
+    proc = start(out, *FOREVER)
+    wait_for_training(proc, out)
+    proc.send_signal(signal.SIGINT)
+    stdout, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0
+    stopped = int(re.search(r"stopped by SIGINT after step (\d+)", stdout).group(1))
+    assert (out / "checkpoints" / str(stopped)).is_dir()
+
+
 def _launched_pids(out_dir: Path) -> list[int]:
     return [int(p) for p in re.findall(r"launch: process \d pid (\d+)",
                                        (out_dir / "launch.out").read_text())]
@@ -233,18 +244,25 @@ def test_a_too_small_disk_is_refused_at_start(tmp_path):
 
 
 def test_changed_data_is_refused_unless_accepted(tmp_path):
+    """The tokens decide, not the path: the same tokens moved elsewhere resume; other
+    tokens under the same path are refused unless accepted."""
     tokens = tmp_path / "tokens.npy"
     rng = np.random.default_rng(0)
     np.save(tokens, rng.integers(0, 200, 40_000).astype(np.int32))
     out = tmp_path / "run"
-    common = ["eval_every=100", "checkpoint.every=2", f"data.source={tokens}"]
-    assert run(out, "steps=2", *common)[0] == 0
-    np.save(tokens, rng.integers(0, 200, 40_000).astype(np.int32))  # same path, new ids
-    code, _, err = run(out, "steps=4", *common, "checkpoint.resume=true")
+    common = ["eval_every=100", "checkpoint.every=1"]
+    assert run(out, "steps=2", *common, f"data.source={tokens}")[0] == 0
+    moved = tmp_path / "moved.npy"
+    moved.write_bytes(tokens.read_bytes())
+    code, _, err = run(out, "steps=3", *common, f"data.source={moved}",
+                       "checkpoint.resume=true")
+    assert code == 0, err[-3000:]
+    np.save(moved, rng.integers(0, 200, 40_000).astype(np.int32))  # same path, new ids
+    changed = [*common, f"data.source={moved}", "checkpoint.resume=true", "steps=4"]
+    code, _, err = run(out, *changed)
     line = one_line(err)
-    assert code == 2 and str(tokens) in line and "checkpoint.accept_changed_data=true" in line
-    code, _, err = run(out, "steps=4", *common, "checkpoint.resume=true",
-                       "checkpoint.accept_changed_data=true")
+    assert code == 2 and str(moved) in line and "checkpoint.accept_changed_data=true" in line
+    code, _, err = run(out, *changed, "checkpoint.accept_changed_data=true")
     assert code == 0, err[-3000:]
 
 
