@@ -111,20 +111,21 @@ def exit_status(err: BaseException) -> int:
     return 2 if isinstance(err, USER_ERRORS) else 1
 
 
-def debugging(args: argparse.Namespace) -> bool:
-    """Whether errors show their traceback: ``--debug`` or ARISTAX_DEBUG set (not 0)."""
-    return args.debug or os.environ.get("ARISTAX_DEBUG", "").lower() not in ("", "0", "false")
+def debugging(flag: bool = False) -> bool:
+    """Whether errors show their traceback: the ``--debug`` ``flag`` or ARISTAX_DEBUG
+    set (not 0)."""
+    return flag or os.environ.get("ARISTAX_DEBUG", "").lower() not in ("", "0", "false")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command ``argv`` (default ``sys.argv[1:]``) and return its exit status;
     errors print one line to stderr unless debugging (see the module docstring)."""
     args = build_parser().parse_args(argv)
-    undo = (lambda: None) if debugging(args) else silence_background_errors()
+    undo = (lambda: None) if debugging(args.debug) else silence_background_errors()
     try:
         result = args.func(args)
     except (*USER_ERRORS, *RUN_ERRORS, KeyboardInterrupt) as err:
-        if debugging(args):
+        if debugging(args.debug):
             raise
         print(f"aristax {args.command}: {describe(err)}", file=sys.stderr)
         return exit_status(err)
@@ -157,7 +158,7 @@ def silence_background_errors() -> Callable[[], None]:
 def entry() -> None:
     """The ``aristax`` program: ``main``, with background threads kept quiet through
     the interpreter's exit as well (unless debugging), then exit with its status."""
-    if not ("--debug" in sys.argv[1:2] or debugging(argparse.Namespace(debug=False))):
+    if not debugging("--debug" in sys.argv[1:2]):
         silence_background_errors()
     sys.exit(main())
 

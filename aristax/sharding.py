@@ -77,12 +77,13 @@ class MoEAxes:
     def __post_init__(self):
         for field in ("expert", "embed", "mlp", "batch"):
             value = getattr(self, field)
-            names = as_names(value) if isinstance(value, (str, tuple, list, type(None))) else [0]
-            if not all(isinstance(n, str) and n for n in names):
+            if isinstance(value, list):
+                value = tuple(value)
+                object.__setattr__(self, field, value)  # hashable, as a static attribute
+            if not (value is None or isinstance(value, str | tuple)) or not all(
+                    isinstance(n, str) and n for n in as_names(value)):
                 raise ValueError(f"MoEAxes.{field}={value!r}: give None, an axis name or a "
                                  "tuple of axis names")
-            if not isinstance(value, str) and value is not None:
-                object.__setattr__(self, field, names)  # lists -> hashable tuples
         used = [n for role in ROLES for n in as_names(getattr(self, role))]
         if len(used) != len(set(used)):
             raise ValueError(

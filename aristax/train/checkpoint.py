@@ -43,6 +43,11 @@ class CheckpointSaveError(RuntimeError):
     """A checkpoint that could not be written (e.g. the disk is full)."""
 
 
+def _one_line(err: Exception) -> str:
+    """An exception's message on one line (its type when it has none)."""
+    return " ".join(str(err).split()) or type(err).__name__
+
+
 def checksum(array: np.ndarray) -> str:
     """BLAKE2b (16 bytes, hex) of an array's dtype, shape and bytes."""
     array = np.ascontiguousarray(array)
@@ -177,7 +182,7 @@ class Checkpointer:
                                       f"writing: {err}") from None
 
     def _save_error(self, step: int, err: Exception) -> CheckpointSaveError:
-        cause = " ".join(str(err).split()) or type(err).__name__
+        cause = _one_line(err)
         cause = cause if len(cause) <= 200 else "..." + cause[-200:]  # the OS error ends it
         return CheckpointSaveError(f"checkpoint of step {step} could not be written to "
                                    f"{self.manager.directory / str(step)}: {cause}")
@@ -217,7 +222,7 @@ class Checkpointer:
                 state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore(),
                 meta=ocp.args.JsonRestore()))
         except Exception as err:
-            cause = " ".join(str(err).split()) or type(err).__name__
+            cause = _one_line(err)
             tensor = re.search(r'reading "([^"/]+)', cause)  # tensorstore names the array
             what = f"tensor {tensor[1]} cannot be read" if tensor else "its files cannot be read"
             raise corrupt(f"{what} ({cause[:200]})") from None
@@ -240,8 +245,7 @@ class Checkpointer:
             return self.manager.restore(step, args=ocp.args.Composite(
                 meta=ocp.args.JsonRestore()))["meta"]
         except Exception as err:
-            cause = " ".join(str(err).split())[:200] or type(err).__name__
-            raise self._corrupt(step, f"its meta cannot be read ({cause})") from None
+            raise self._corrupt(step, f"its meta cannot be read ({_one_line(err)[:200]})") from None
 
     def restore(self, template: dict, place: Callable[[Any, Any], Any],
                 step: int | None = None) -> tuple[dict, dict, dict]:

@@ -31,7 +31,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from aristax.train.run_control import LOCK_HOLDER_ENV, run_lock
+from aristax.train.run_control import LOCK_HOLDER_ENV, StopSignals, run_lock
 
 
 def free_port() -> int:
@@ -69,23 +69,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
 
 
-class _Signals:
-    """SIGTERM/SIGINT handlers that record the signal (restored by ``restore``)."""
-
-    def __init__(self):
-        self.received: int | None = None
-        self._previous = {sig: signal.signal(sig, self._note)
-                          for sig in (signal.SIGTERM, signal.SIGINT)}
-
-    def _note(self, signum, frame) -> None:
-        del frame
-        self.received = signum
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
 def launch(config: str, overrides: Sequence[str], num_processes: int, *, out_dir: Path,
            devices: int = 0, grace: float = 10.0, poll: float = 0.2, log=print) -> int:
     """Run ``aristax train config overrides`` in ``num_processes`` local processes
@@ -99,7 +82,7 @@ def launch(config: str, overrides: Sequence[str], num_processes: int, *, out_dir
     """
     check_processes(num_processes, devices)
     with run_lock(out_dir):
-        signals = _Signals()
+        signals = StopSignals()
         try:
             return _run_processes(config, overrides, num_processes, out_dir, grace, poll,
                                   log, signals)
@@ -108,7 +91,7 @@ def launch(config: str, overrides: Sequence[str], num_processes: int, *, out_dir
 
 
 def _run_processes(config, overrides, num_processes, out_dir, grace, poll, log,
-                   signals: _Signals) -> int:
+                   signals: StopSignals) -> int:
     """``launch``'s body: start the processes and watch them."""
     port = free_port()
     command = [sys.executable, "-m", "aristax.cli", "train", config, *overrides]
@@ -124,12 +107,12 @@ def _run_processes(config, overrides, num_processes, out_dir, grace, poll, log,
         log(f"launch: process {i} pid {procs[-1].pid}")
     try:
         while True:
-            if signals.received is not None:
-                name = signal.Signals(signals.received).name
+            if signals.signum is not None:
+                name = signal.Signals(signals.signum).name
                 log(f"launch: {name}: asked the {num_processes} processes to checkpoint and "
                     f"stop (SIGTERM; killed after {grace:g} s)")
                 stop(procs, grace)
-                return 128 + signals.received
+                return 128 + signals.signum
             codes = [p.poll() for p in procs]
             failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:

@@ -53,21 +53,15 @@ def run_lock(out_dir: Path, *, enabled: bool = True) -> Iterator[None]:
         lock.release()
 
 
-class Preemption:
-    """SIGTERM (a preemption notice) or Ctrl-C as a request to stop cleanly.
-    ``reached(step)`` is True at the step boundary where the run should save and stop:
-    with several processes, JAX's preemption sync point (its notifier catches SIGTERM
-    on any process and every process agrees on the step); in one process, after a
-    SIGTERM or SIGINT caught here (a second Ctrl-C interrupts at once). ``close``
-    restores the previous handlers."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+class StopSignals:
+    """SIGTERM and SIGINT recorded instead of acted on: ``signum`` is the first one
+    received; after it, a Ctrl-C interrupts at once (KeyboardInterrupt). ``restore``
+    puts the previous handlers back."""
 
     def __init__(self):
         self.signum: int | None = None
-        self._multi = jax.process_count() > 1
-        self._previous = {} if self._multi else {
-            sig: signal.signal(sig, self._note) for sig in self.SIGNALS}
+        self._previous = {sig: signal.signal(sig, self._note)
+                          for sig in (signal.SIGTERM, signal.SIGINT)}
 
     def _note(self, signum, frame) -> None:
         del frame
@@ -75,20 +69,36 @@ class Preemption:
             self.signum = signum
         signal.signal(signal.SIGINT, signal.default_int_handler)  # the next Ctrl-C: now
 
-    @property
-    def name(self) -> str:
-        """The signal that stopped the run ("SIGTERM" with several processes)."""
-        return signal.Signals(self.signum or signal.SIGTERM).name
-
-    def reached(self, step: int) -> bool:
-        if self._multi:
-            return multihost_utils.reached_preemption_sync_point(step)
-        return self.signum is not None
-
-    def close(self) -> None:
+    def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+
+
+class Preemption:
+    """SIGTERM (a preemption notice) or Ctrl-C as a request to stop cleanly.
+    ``reached(step)`` is True at the step boundary where the run should save and stop:
+    with several processes, JAX's preemption sync point (its notifier catches SIGTERM
+    on any process and every process agrees on the step); in one process, after a
+    signal ``StopSignals`` recorded. ``close`` restores the previous handlers."""
+
+    def __init__(self):
+        self._signals = None if jax.process_count() > 1 else StopSignals()
+
+    @property
+    def name(self) -> str:
+        """The signal that stopped the run ("SIGTERM" with several processes)."""
+        signum = None if self._signals is None else self._signals.signum
+        return signal.Signals(signum or signal.SIGTERM).name
+
+    def reached(self, step: int) -> bool:
+        if self._signals is None:
+            return multihost_utils.reached_preemption_sync_point(step)
+        return self._signals.signum is not None
+
+    def close(self) -> None:
+        if self._signals is not None:
+            self._signals.restore()
 
 
 def check_free_space(directory: Path, checkpoint_bytes: int) -> None:

@@ -135,18 +135,26 @@ def test_a_second_run_into_the_same_directory_is_refused(tmp_path):
     assert list(steps) == list(range(1, max(steps) + 1))  # every step once
 
 
+def stop_with(signum: int, out: Path, *overrides: str) -> int:
+    """Start an endless run, send ``signum`` once it trains, and return the step it
+    stopped at: exit 0, the line naming the signal, and that step's checkpoint."""
+    proc = start(out, *FOREVER, *overrides)
+    wait_for_training(proc, out)
+    proc.send_signal(signum)
+    stdout, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0
+    name = signal.Signals(signum).name
+    stopped = int(re.search(rf"stopped by {name} after step (\d+)", stdout).group(1))
+    assert (out / "checkpoints" / str(stopped)).is_dir()
+    return stopped
+
+
 def test_sigterm_checkpoints_at_the_next_step_and_resume_continues_exactly(tmp_path):
     """A constant learning rate (min_lr_ratio=1) makes every step independent of
     ``steps``, so the stopped run, its resume and a straight run can be compared."""
     out = tmp_path / "run"
     constant = ["optim.min_lr_ratio=1.0", "optim.warmup_steps=0"]
-    proc = start(out, *FOREVER, *constant)
-    wait_for_training(proc, out)
-    proc.send_signal(signal.SIGTERM)
-    stdout, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0
-    stopped = int(re.search(r"stopped by SIGTERM after step (\d+)", stdout).group(1))
-    assert (out / "checkpoints" / str(stopped)).is_dir()
+    stopped = stop_with(signal.SIGTERM, out, *constant)
     end = stopped + 2
     common = [f"steps={end}", f"eval_every={end}", f"checkpoint.every={end}", *constant]
     assert run(out, *common, "checkpoint.resume=true")[0] == 0
@@ -156,14 +164,7 @@ def test_sigterm_checkpoints_at_the_next_step_and_resume_continues_exactly(tmp_p
 
 
 def test_ctrl_c_to_a_run_checkpoints_at_the_next_step(tmp_path):
-    out = tmp_path / "run"
-    proc = start(out, *FOREVER)
-    wait_for_training(proc, out)
-    proc.send_signal(signal.SIGINT)
-    stdout, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0
-    stopped = int(re.search(r"stopped by SIGINT after step (\d+)", stdout).group(1))
-    assert (out / "checkpoints" / str(stopped)).is_dir()
+    stop_with(signal.SIGINT, tmp_path / "run")
 
 
 def _launched_pids(out_dir: Path) -> list[int]:
