@@ -22,7 +22,12 @@ import numpy as np
 from aristax.pallas_kernels import BACKEND_NAMES
 
 ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid", "expert_choice")
-ACTIVATIONS = ("swiglu", "geglu", "gelu")
+ACTIVATIONS = ("swiglu", "geglu", "gelu", "relu", "clamped_swiglu")
+GATED_ACTIVATIONS = ("swiglu", "geglu", "clamped_swiglu")  # those with a gate projection
+# How a group of experts is scored for group-limited routing (``routing.group_scores``).
+GROUP_SCORES = ("top2_sum", "max", "topk_over_groups")
+WEIGHT_SIDES = ("output", "input")
+LOSS_CONVENTIONS = ("aristax", "megatron")
 DROP_POLICIES = ("position", "probability")
 # Expert-parallel token exchanges (``aristax.parallel.collectives``).
 EXCHANGES = ("padded", "ragged", "ragged_emulated", "scheduled", "hierarchical")
@@ -83,6 +88,15 @@ def _check_routing(cfg: Any, owner: str) -> None:
     scale = cfg.routed_scaling_factor
     if not _is_finite_positive(scale):
         _fail("routed_scaling_factor", scale, "must be a finite number > 0", owner)
+    if cfg.group_score not in GROUP_SCORES:
+        _fail("group_score", cfg.group_score, f"choose one of {GROUP_SCORES}", owner)
+    if num_groups > 1 and cfg.group_score == "topk_over_groups" and K < cfg.topk_groups:
+        _fail("group_score", cfg.group_score, f"'topk_over_groups' sums the top_k // "
+              f"topk_groups best scores of a group (Megatron-Core), so top_k={K} must be "
+              f">= topk_groups={cfg.topk_groups}", owner)
+    p = cfg.weight_norm_p
+    if not _is_finite_positive(p):
+        _fail("weight_norm_p", p, "must be a finite number > 0 (1: weights sum to 1)", owner)
 
 
 def _check_implementation(value: Any) -> None:
@@ -129,6 +143,8 @@ class RouterConfig:
     topk_groups: int = 1
     routed_scaling_factor: float = 1.0
     expert_capacity_factor: float = 1.0
+    group_score: str = "top2_sum"
+    weight_norm_p: float = 1.0
 
     def __post_init__(self):
         _plain_scalars(self, "RouterConfig", ("normalize_weights",))
@@ -150,20 +166,46 @@ class MoEConfig:
         tokens, where ``capacity`` is ``capacity_factor`` (1.0 when None).
       d_model: D, the token width (the last dimension of ``x``).
       d_ff: F, the hidden width of each routed expert.
-      activation: "swiglu" (silu(x Wg) * x Wu), "geglu" (gelu(x Wg) * x Wu) or
-        "gelu" (gelu(x Wu)).
+      activation: "swiglu" (silu(x Wg) * x Wu), "geglu" (gelu(x Wg) * x Wu), "gelu"
+        (gelu(x Wu)), "relu" (relu(x Wu); Switch Transformers) or "clamped_swiglu"
+        (GPT-OSS: g = min(x Wg, limit), u = clip(x Wu, -limit, limit),
+        (u + 1) * g * sigmoid(alpha * g), with ``swiglu_limit`` and ``swiglu_alpha``).
+        Shared experts use the same activation.
+      swiglu_limit, swiglu_alpha: the clamp and the sigmoid's slope of
+        "clamped_swiglu" (GPT-OSS's 7.0 and 1.702); unused by the other activations.
       router: "softmax_topk" (softmax over E, then top-k; Mixtral/Switch),
         "topk_softmax" (top-k logits, then softmax over the K), "sigmoid" (sigmoid
         scores; DeepSeek-V3), "expert_choice" (each expert picks its tokens; Zhou et
         al. 2022; a token no expert picks gets y = 0, counted in
         ``aux["unchosen_tokens"]``).
-      normalize_weights: renormalise the K combine weights to sum to 1 (Mixtral,
-        DeepSeek-V3). Ignored by "topk_softmax", whose weights always sum to 1.
-      num_groups, topk_groups: group-limited routing (DeepSeek-V3): experts are split
-        into ``num_groups`` equal groups, each scored by the sum of its two best
-        selection scores, and tokens choose experts only inside their
-        ``topk_groups`` best groups. ``num_groups=1`` disables it.
+      normalize_weights: renormalise the K combine weights to unit ``weight_norm_p``
+        norm (Mixtral, DeepSeek-V3: p = 1, the weights sum to 1). Ignored by
+        "topk_softmax", whose weights always sum to 1.
+      weight_norm_p: p of that norm, w / (sum_k |w_k|^p)^(1/p) (DBRX's
+        ``moe_normalize_expert_weights``); 1 by default.
+      num_groups, topk_groups: group-limited routing: experts are split into
+        ``num_groups`` equal groups, each scored by ``group_score``, and tokens choose
+        experts only inside their ``topk_groups`` best groups. ``num_groups=1``
+        disables it.
+      group_score: a group's score from its experts' selection scores: "top2_sum"
+        (the sum of its two best; DeepSeek-V3, HF ``DeepseekV3TopkRouter``), "max"
+        (its best; DeepSeek-V2 ``group_limited_greedy``) or "topk_over_groups" (the
+        sum of its top_k // topk_groups best; Megatron-Core ``group_limited_topk``).
+      router_bias: a learned router bias b [E]: logits = x Wr + b, so it changes the
+        combine weights as well as the selection (GPT-OSS). ``selection_bias`` is the
+        other kind.
+      selection_bias: the layer holds a fixed per-expert bias [E] added to the scores
+        for selection only, never to the weights (DeepSeek-V3's
+        ``e_score_correction_bias`` at inference); ``bias_update_rate > 0`` holds and
+        updates the same bias.
       routed_scaling_factor: multiplies the routed combine weights (DeepSeek-V3).
+      weight_side: where a routed expert's weight w applies: "output" (y = sum_k w_k
+        E_k(x); Mixtral and most) or "input" (y = sum_k E_k(w_k x); Llama 4).
+      expert_bias: every routed expert has biases: on the gate and up projections
+        [E, F] and on the down projection [E, D] (GPT-OSS); y = sum_k w_k (E_k(x) +
+        b_down). Shared experts have none.
+      shared_expert_gate: the shared experts' output is scaled per token by
+        sigmoid(x w_g), w_g [D] learned (Qwen2-MoE, Qwen3-Next).
       bias_update_rate: > 0 enables aux-loss-free balancing (DeepSeek-V3): a per-expert
         bias, added to the scores for *selection only*, updated by
         ``bias += rate * sign(mean_load - load)``; the optimizer never sees it.
@@ -182,6 +224,12 @@ class MoEConfig:
       lb_loss_coef: weight of the Switch/GShard load-balancing loss in ``aux["loss"]``.
       seq_aux_loss_coef: weight of the sequence-wise balance loss (DeepSeek-V3).
       z_loss_coef: weight of the router z-loss (ST-MoE).
+      loss_convention: "aristax" (the load-balancing loss E * sum_e f_e P_e as Hugging
+        Face's ``load_balancing_loss_func``, balanced = K; the losses count the slots
+        actually routed, after selection bias and group limits) or "megatron"
+        (Megatron-Core: the same divided by K, balanced = 1, as DeepSeek-V3's eq. 17;
+        the losses count a plain top-k of the unbiased, ungrouped scores). See the
+        README's table of the losses.
       dtype: compute dtype of the expert MLPs (None: the dtype of ``x``). Router math
         runs in float32; GEMMs accumulate in float32.
       param_dtype: dtype of the parameters.
@@ -217,6 +265,16 @@ class MoEConfig:
     num_groups: int = 1
     topk_groups: int = 1
     routed_scaling_factor: float = 1.0
+    group_score: str = "top2_sum"
+    weight_norm_p: float = 1.0
+    router_bias: bool = False
+    selection_bias: bool = False
+    weight_side: str = "output"
+    expert_bias: bool = False
+    shared_expert_gate: bool = False
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
+    loss_convention: str = "aristax"
     bias_update_rate: float = 0.0
     capacity_factor: float | None = None
     drop_policy: str = "position"
@@ -234,7 +292,9 @@ class MoEConfig:
     exchange: str | None = None
 
     def __post_init__(self):
-        _plain_scalars(self, "MoEConfig", ("normalize_weights", "debug_checks"))
+        _plain_scalars(self, "MoEConfig", ("normalize_weights", "debug_checks", "router_bias",
+                                           "selection_bias", "expert_bias",
+                                           "shared_expert_gate"))
         for name in ("d_model", "d_ff"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
@@ -242,6 +302,16 @@ class MoEConfig:
         _check_routing(self, "MoEConfig")
         if self.activation not in ACTIVATIONS:
             _fail("activation", self.activation, f"choose one of {ACTIVATIONS}")
+        for name in ("swiglu_limit", "swiglu_alpha"):
+            if not _is_finite_positive(getattr(self, name)):
+                _fail(name, getattr(self, name), "must be a finite number > 0")
+        if self.weight_side not in WEIGHT_SIDES:
+            _fail("weight_side", self.weight_side, f"choose one of {WEIGHT_SIDES}")
+        if self.loss_convention not in LOSS_CONVENTIONS:
+            _fail("loss_convention", self.loss_convention, f"choose one of {LOSS_CONVENTIONS}")
+        if self.shared_expert_gate and self.num_shared_experts == 0:
+            _fail("shared_expert_gate", True, "gates the shared experts, and there are none: "
+                  "set num_shared_experts > 0 or leave it False")
         if self.drop_policy not in DROP_POLICIES:
             _fail("drop_policy", self.drop_policy, f"choose one of {DROP_POLICIES}")
         if self.capacity_factor is not None and not _is_finite_positive(self.capacity_factor):
@@ -264,6 +334,12 @@ class MoEConfig:
             if self.drop_policy != "position":
                 _fail("drop_policy", self.drop_policy, "expert choice picks its tokens "
                       "itself (no capacity drops); leave the default 'position'")
+            if self.selection_bias:
+                _fail("selection_bias", True, "a selection bias needs a token-choice "
+                      "router; use False")
+            if self.loss_convention == "megatron":
+                _fail("loss_convention", "megatron", "Megatron-Core's losses count a "
+                      "token-choice top-k; use 'aristax' with expert choice")
         elif self.drop_policy != "position" and self.capacity_factor is None:
             _fail("drop_policy", self.drop_policy, "decides which assignments a full expert "
                   "drops, and capacity_factor=None drops none: set capacity_factor or "
@@ -301,7 +377,20 @@ class MoEConfig:
             topk_groups=self.topk_groups,
             routed_scaling_factor=self.routed_scaling_factor,
             expert_capacity_factor=1.0 if self.capacity_factor is None else self.capacity_factor,
+            group_score=self.group_score,
+            weight_norm_p=self.weight_norm_p,
         )
+
+    @property
+    def gated(self) -> bool:
+        """Whether the experts have a gate projection (``GATED_ACTIVATIONS``)."""
+        return self.activation in GATED_ACTIVATIONS
+
+    @property
+    def holds_selection_bias(self) -> bool:
+        """Whether the layer holds a selection bias [E] (fixed, or updated by
+        aux-loss-free balancing)."""
+        return self.selection_bias or self.bias_update_rate > 0
 
     @property
     def shared_width(self) -> int:

@@ -182,6 +182,16 @@ def _permute_bwd(residuals, drows):
 _permute.defvjp(_permute_fwd, _permute_bwd)
 
 
+def weight_rows(rows: jax.Array, sort_order: jax.Array, weights: jax.Array) -> jax.Array:
+    """rows[p] * weights.flat[sort_order[p]]: each row [M, D] times the weight of its
+    assignment (weights [T, K]), in rows' dtype (the product in at least float32). For
+    routing weights applied to the experts' input (``MoEConfig.weight_side="input"``);
+    padding rows are zero and stay zero."""
+    acc = accumulation_dtype(rows.dtype, weights.dtype)
+    scale = jnp.take(weights.reshape(-1).astype(acc), sort_order, mode="clip")
+    return (rows.astype(acc) * scale[:, None]).astype(rows.dtype)
+
+
 def combine(rows: jax.Array, dispatch: Dispatch, weights: jax.Array) -> jax.Array:
     """Weighted sum back into token order: rows[M, D], weights[T, K] -> y[T, D].
 

@@ -23,7 +23,7 @@ from aristax.config import MoEConfig
 from aristax.moe import MoEParams, check_array, moe
 from aristax.parallel import (chunked_moe, expert_parallel_moe, expert_parallel_options,
                               layout_experts, tokens_per_shard)
-from aristax.sharding import EXPERT_AXIS, PARAM_DIMS, MoEAxes, sharded_param
+from aristax.sharding import EXPERT_AXIS, EXPERT_FIELDS, PARAM_DIMS, MoEAxes, sharded_param
 
 # Fan-in scaling of a stacked [E, in, out] weight: each expert on its own.
 _expert_init = nnx.initializers.variance_scaling(
@@ -33,46 +33,59 @@ _dense_init = nnx.initializers.lecun_normal()
 
 
 class BalanceBias(nnx.Variable):
-    """Aux-loss-free balancing bias [E]: changed by ``MoE.update_balance_bias``, never
-    by the optimizer (it is not an ``nnx.Param``)."""
+    """Selection bias [E] (``MoEConfig.selection_bias``, or aux-loss-free balancing):
+    added to the scores for selection only; changed by ``MoE.update_balance_bias``
+    or set by the user, never by the optimizer (it is not an ``nnx.Param``)."""
 
 
 class Router(nnx.Module):
-    """Router weight [D, E] and, with aux-loss-free balancing, its bias [E]."""
+    """Router weight [D, E], its bias [E] (``router_bias``) and the selection bias [E]
+    (``selection_bias`` or aux-loss-free balancing)."""
 
     def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs, axes: MoEAxes):
-        D, E = config.d_model, config.num_experts
+        D, E, dt = config.d_model, config.num_experts, config.param_dtype
         self.weight_de = sharded_param(
-            "router_de", nnx.initializers.normal(0.02), rngs, (D, E), config.param_dtype, axes)
+            "router_de", nnx.initializers.normal(0.02), rngs, (D, E), dt, axes)
+        self.bias_e = (sharded_param("router_bias_e", nnx.initializers.zeros, rngs, (E,), dt,
+                                     axes) if config.router_bias else None)
         self.balance_bias_e = (
-            BalanceBias(jnp.zeros((E,), jnp.float32)) if config.bias_update_rate > 0 else None
+            BalanceBias(jnp.zeros((E,), jnp.float32)) if config.holds_selection_bias else None
         )
 
 
 class Experts(nnx.Module):
-    """E stacked expert MLPs: gate_edf/up_edf [E, D, F], down_efd [E, F, D]."""
+    """E stacked expert MLPs: gate_edf/up_edf [E, D, F], down_efd [E, F, D]; with
+    ``expert_bias``, gate_bias_ef/up_bias_ef [E, F] and down_bias_ed [E, D] (zeros)."""
 
     def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs, axes: MoEAxes):
         E, D, F, dt = config.num_experts, config.d_model, config.d_ff, config.param_dtype
-        self.gate_edf = (
-            None if config.activation == "gelu"
-            else sharded_param("gate_edf", _expert_init, rngs, (E, D, F), dt, axes)
-        )
+        gated, biased = config.gated, config.expert_bias
+        self.gate_edf = (sharded_param("gate_edf", _expert_init, rngs, (E, D, F), dt, axes)
+                         if gated else None)
         self.up_edf = sharded_param("up_edf", _expert_init, rngs, (E, D, F), dt, axes)
         self.down_efd = sharded_param("down_efd", _expert_init, rngs, (E, F, D), dt, axes)
+        zeros = nnx.initializers.zeros
+        self.gate_bias_ef = (sharded_param("gate_bias_ef", zeros, rngs, (E, F), dt, axes)
+                             if biased and gated else None)
+        self.up_bias_ef = (sharded_param("up_bias_ef", zeros, rngs, (E, F), dt, axes)
+                           if biased else None)
+        self.down_bias_ed = (sharded_param("down_bias_ed", zeros, rngs, (E, D), dt, axes)
+                             if biased else None)
 
 
 class SharedExperts(nnx.Module):
-    """The shared experts fused into one dense MLP: gate_df/up_df [D, Fs], down_fd [Fs, D]."""
+    """The shared experts fused into one dense MLP: gate_df/up_df [D, Fs], down_fd [Fs, D];
+    with ``shared_expert_gate``, the per-token gate's weight gate_d [D]."""
 
     def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs, axes: MoEAxes):
         D, Fs, dt = config.d_model, config.shared_width, config.param_dtype
-        self.gate_df = (
-            None if config.activation == "gelu"
-            else sharded_param("shared_gate_df", _dense_init, rngs, (D, Fs), dt, axes)
-        )
+        self.gate_df = (sharded_param("shared_gate_df", _dense_init, rngs, (D, Fs), dt, axes)
+                        if config.gated else None)
         self.up_df = sharded_param("shared_up_df", _dense_init, rngs, (D, Fs), dt, axes)
         self.down_fd = sharded_param("shared_down_fd", _dense_init, rngs, (Fs, D), dt, axes)
+        self.gate_d = (sharded_param("shared_expert_gate_d", nnx.initializers.normal(0.02),
+                                     rngs, (D,), dt, axes)
+                       if config.shared_expert_gate else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,7 +298,7 @@ class MoE(nnx.Module):
                              f"{sorted(variables)}: load the weights of a layer of this config")
         for field, variable in variables.items():
             want = variable[...].shape
-            if field in ("gate_edf", "up_edf", "down_efd"):
+            if field in EXPERT_FIELDS:
                 want = (self.config.num_experts,) + want[1:]
             if getattr(params, field).shape != want:
                 raise ValueError(f"params.{field} has shape {getattr(params, field).shape}; "
@@ -329,12 +342,12 @@ class MoE(nnx.Module):
         shared = self.shared_experts
         variables = {
             "router_de": self.router.weight_de,
-            "gate_edf": self.experts.gate_edf,
-            "up_edf": self.experts.up_edf,
-            "down_efd": self.experts.down_efd,
+            "router_bias_e": self.router.bias_e,
+            **{field: getattr(self.experts, field) for field in EXPERT_FIELDS},
             "shared_gate_df": None if shared is None else shared.gate_df,
             "shared_up_df": None if shared is None else shared.up_df,
             "shared_down_fd": None if shared is None else shared.down_fd,
+            "shared_expert_gate_d": None if shared is None else shared.gate_d,
         }
         return {field: v for field, v in variables.items() if v is not None}
 
@@ -431,9 +444,10 @@ class MoE(nnx.Module):
     def update_balance_bias(self, expert_load: jax.Array) -> None:
         """Aux-loss-free balancing step from the last step's ``aux["expert_load"]``
         (int32[E], assignments routed to each expert before drops)."""
-        if self.router.balance_bias_e is None:
+        if self.config.bias_update_rate <= 0:
             raise ValueError(
-                "update_balance_bias needs MoEConfig.bias_update_rate > 0 (it is 0)"
+                "update_balance_bias needs MoEConfig.bias_update_rate > 0 (it is 0; a "
+                "fixed selection_bias is set directly: layer.router.balance_bias_e[...] = b)"
             )
         bias = self.router.balance_bias_e
         bias[...] = routing_lib.update_balance_bias(

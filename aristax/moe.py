@@ -16,9 +16,10 @@ from jax.sharding import PartitionSpec as P
 from aristax import dispatch as dispatch_lib
 from aristax import routing as routing_lib
 from aristax.config import MoEConfig, accumulation_dtype
-from aristax.experts import dense_mlp, expert_mlp
+from aristax.experts import activation_of, dense_mlp, expert_mlp
 from aristax.pallas_kernels import frontdoor
 from aristax.pallas_kernels.moe_mlp import fused_backend, moe_mlp
+from aristax.pallas_kernels.moe_mlp.reference import ACTIVATIONS as FUSED_ACTIVATIONS
 from aristax.pallas_kernels.permute import api as permute_api
 from aristax.pallas_kernels.permute.reference import inverse_order
 from aristax.pallas_kernels.ragged_dot import api as ragged_dot_api
@@ -32,9 +33,14 @@ class MoEParams:
 
     Attributes:
       router_de: [D, E] router weight.
-      up_edf: [E, D, F]; gate_edf: [E, D, F] or None ("gelu"); down_efd: [E, F, D].
+      up_edf: [E, D, F]; gate_edf: [E, D, F] or None (an ungated activation);
+        down_efd: [E, F, D].
       shared_up_df, shared_gate_df: [D, Fs]; shared_down_fd: [Fs, D] (None when there
         are no shared experts; Fs = num_shared_experts * shared_d_ff).
+      router_bias_e: [E] (``MoEConfig.router_bias``), else None.
+      gate_bias_ef, up_bias_ef: [E, F]; down_bias_ed: [E, D] (``expert_bias``; no
+        gate bias without a gate), else None.
+      shared_expert_gate_d: [D] (``shared_expert_gate``), else None.
     """
 
     router_de: jax.Array
@@ -44,10 +50,38 @@ class MoEParams:
     shared_up_df: jax.Array | None = None
     shared_down_fd: jax.Array | None = None
     shared_gate_df: jax.Array | None = None
+    router_bias_e: jax.Array | None = None
+    gate_bias_ef: jax.Array | None = None
+    up_bias_ef: jax.Array | None = None
+    down_bias_ed: jax.Array | None = None
+    shared_expert_gate_d: jax.Array | None = None
 
 
-def router_logits(x: jax.Array, router_de: jax.Array) -> jax.Array:
-    """[T, E] = x[T, D] @ router_de[D, E], in float32 (float64 for float64 x), at full
+def param_shapes(config: MoEConfig, num_slots: int | None = None
+                 ) -> dict[str, tuple[int, ...] | None]:
+    """The shape of every ``MoEParams`` field for ``config`` (None: the field is None),
+    expert-indexed fields with ``num_slots`` rows (default E)."""
+    D, F, E = config.d_model, config.d_ff, config.num_experts
+    slots, Fs, gated = num_slots or E, config.shared_width, config.gated
+    shared, biased = config.num_shared_experts > 0, config.expert_bias
+    return {
+        "router_de": (D, E), "up_edf": (slots, D, F), "down_efd": (slots, F, D),
+        "gate_edf": (slots, D, F) if gated else None,
+        "shared_up_df": (D, Fs) if shared else None,
+        "shared_down_fd": (Fs, D) if shared else None,
+        "shared_gate_df": (D, Fs) if shared and gated else None,
+        "router_bias_e": (E,) if config.router_bias else None,
+        "gate_bias_ef": (slots, F) if biased and gated else None,
+        "up_bias_ef": (slots, F) if biased else None,
+        "down_bias_ed": (slots, D) if biased else None,
+        "shared_expert_gate_d": (D,) if config.shared_expert_gate else None,
+    }
+
+
+def router_logits(x: jax.Array, router_de: jax.Array,
+                  router_bias_e: jax.Array | None = None) -> jax.Array:
+    """[T, E] = x[T, D] @ router_de[D, E] (+ router_bias_e [E] when given), in float32
+    (float64 for float64 x), at full
     precision whatever ``jax.default_matmul_precision`` says, as the route kernels and
     Hugging Face compute it (on a GPU JAX's default, TF32, could pick other experts
     at near-ties than the fused route kernel; the product is small).
@@ -60,6 +94,8 @@ def router_logits(x: jax.Array, router_de: jax.Array) -> jax.Array:
     finite = jnp.all(jnp.isfinite(x), axis=-1, keepdims=True)
     logits = jnp.dot(jnp.where(finite, x, 0).astype(dtype), router_de.astype(dtype),
                      precision=jax.lax.Precision.HIGHEST)
+    if router_bias_e is not None:
+        logits = logits + router_bias_e.astype(dtype)
     return jnp.where(finite, logits, jnp.nan)
 
 
@@ -103,25 +139,19 @@ def check_inputs(
     if not isinstance(params, MoEParams):
         raise TypeError(f"params must be MoEParams (e.g. MoE(...).params()), got "
                         f"{type(params).__name__}")
-    D, F, E = config.d_model, config.d_ff, config.num_experts
-    slots, Fs, gated = num_slots or E, config.shared_width, config.activation != "gelu"
-    shared = config.num_shared_experts > 0
-    expected = {
-        "router_de": (D, E), "up_edf": (slots, D, F), "down_efd": (slots, F, D),
-        "gate_edf": (slots, D, F) if gated else None,
-        "shared_up_df": (D, Fs) if shared else None,
-        "shared_down_fd": (Fs, D) if shared else None,
-        "shared_gate_df": (D, Fs) if shared and gated else None,
-    }
+    E = config.num_experts
+    expected = param_shapes(config, num_slots)
     for name, shape in expected.items():
         value = getattr(params, name)
         found = None if value is None else tuple(value.shape)
         if found != shape:
             raise ValueError(
                 f"params.{name} has shape {found}, but MoEConfig(num_experts={E}, "
-                f"d_model={D}, d_ff={F}, activation={config.activation!r}, "
-                f"num_shared_experts={config.num_shared_experts}) needs {shape}; build the "
-                "params for this config (e.g. aristax.MoE(config, rngs=...).params())")
+                f"d_model={config.d_model}, d_ff={config.d_ff}, activation="
+                f"{config.activation!r}, num_shared_experts={config.num_shared_experts}, "
+                f"router_bias={config.router_bias}, expert_bias={config.expert_bias}, "
+                f"shared_expert_gate={config.shared_expert_gate}) needs {shape}; build "
+                "the params for this config (e.g. aristax.MoE(config, rngs=...).params())")
     if bias is not None and tuple(bias.shape) != (E,):
         raise ValueError(f"bias has shape {tuple(bias.shape)}; it must be [E] = ({E},), one "
                          "selection bias per expert")
@@ -240,7 +270,7 @@ def layer_body(x: jax.Array, router_in: jax.Array, params: MoEParams, config: Mo
     ``moe_aux``'s reducer keywords (``aux_kw``). x, router_in: [T, D] (router_in: x
     with jitter, ``router_input``). Returns (y [T, D] in the compute dtype, aux).
     """
-    routing, fused_dispatch = route_tokens(router_in, params.router_de, config, bias)
+    routing, fused_dispatch = route_tokens(router_in, params, config, bias)
     dtype = jnp.dtype(config.dtype) if config.dtype is not None else x.dtype
     xc = x.astype(dtype)
     y, num_dropped, num_overflow = routed(xc, routing, fused_dispatch)
@@ -252,29 +282,35 @@ def layer_body(x: jax.Array, router_in: jax.Array, params: MoEParams, config: Mo
 def with_shared_experts(y: jax.Array, xc: jax.Array, params: MoEParams,
                         config: MoEConfig) -> jax.Array:
     """y [T, D] plus the shared experts' dense MLP of xc [T, D] (y itself when there
-    are none). A token with a NaN or inf feature is routed nowhere and gets y = 0; it
-    gets no shared output either, and adds nothing to the shared weights' gradient
-    (its inf times a zero cotangent would be NaN)."""
+    are none), scaled per token by sigmoid(xc @ shared_expert_gate_d) when the config
+    has ``shared_expert_gate`` (Qwen2-MoE). A token with a NaN or inf feature is
+    routed nowhere and gets y = 0; it gets no shared output either, and adds nothing
+    to the shared weights' gradient (its inf times a zero cotangent would be NaN)."""
     if params.shared_up_df is None:
         return y
     finite = jnp.all(jnp.isfinite(xc), axis=-1, keepdims=True)
-    shared = dense_mlp(jnp.where(finite, xc, 0), params.shared_gate_df, params.shared_up_df,
-                       params.shared_down_fd, activation=config.activation)
+    x0 = jnp.where(finite, xc, 0)
+    shared = dense_mlp(x0, params.shared_gate_df, params.shared_up_df,
+                       params.shared_down_fd, activation=activation_of(config))
+    if params.shared_expert_gate_d is not None:
+        gate = jnp.dot(x0, params.shared_expert_gate_d.astype(x0.dtype),
+                       preferred_element_type=shared.dtype)
+        shared = jax.nn.sigmoid(gate)[:, None] * shared
     return y + jnp.where(finite, shared, 0)
 
 
 def route_tokens(
-    router_in: jax.Array, router_de: jax.Array, config: MoEConfig,
+    router_in: jax.Array, params: MoEParams, config: MoEConfig,
     bias: jax.Array | None,
 ) -> tuple[routing_lib.Routing, dispatch_lib.Dispatch | None]:
-    """The layer's ``Routing`` of router_in [T, D] by router_de [D, E]: on the fused
-    route kernel when ``fused_routing`` applies, with the dropless ``Dispatch`` it
-    yields; else on the plain router, with None (the caller makes the dispatch)."""
-    fused = fused_routing(router_in, router_de, config, bias)
+    """The layer's ``Routing`` of router_in [T, D] by the router of ``params``: on the
+    fused route kernel when ``fused_routing`` applies, with the dropless ``Dispatch``
+    it yields; else on the plain router, with None (the caller makes the dispatch)."""
+    fused = fused_routing(router_in, params.router_de, config, bias)
     if fused is not None:
         return fused
-    return routing_lib.route(router_logits(router_in, router_de), config.router_config,
-                             bias=bias), None
+    logits = router_logits(router_in, params.router_de, params.router_bias_e)
+    return routing_lib.route(logits, config.router_config, bias=bias), None
 
 
 # router -> (score of the route kernel, whether it renormalises the K weights; None:
@@ -291,7 +327,8 @@ def fused_routing(
     """``Routing`` and dropless ``Dispatch`` from the fused ``pallas_kernels.route`` op
     on the backends ``config.implementation`` names (the reference where none
     serves), or None when the plain path must run: no kernel named, a capacity or
-    expert-choice layout, or group-limited routing, which the kernel does not do.
+    expert-choice layout, or what the kernel does not do: group-limited routing, a
+    router bias, a weight norm other than p = 1.
 
     router_in: [T, D] router input; router_de: [D, E]; bias: float32[E] or None.
     Equal to ``routing_lib.route`` + ``dropless_dispatch`` (the kernel's contract).
@@ -300,7 +337,8 @@ def fused_routing(
     names = (None if config.implementation is None else
              frontdoor.with_reference(config.implementation, route_api.BACKENDS))
     if (names in (None, ["reference"]) or rc.router not in KERNEL_ROUTERS
-            or rc.num_groups > 1 or not is_dropless(config, router_in.shape[0])):
+            or rc.num_groups > 1 or not is_dropless(config, router_in.shape[0])
+            or config.router_bias or (rc.normalize_weights and rc.weight_norm_p != 1)):
         return None
     score, normalize = KERNEL_ROUTERS[rc.router]
     out = route_api.route(router_in, router_de, top_k=rc.top_k, score=score, bias=bias,
@@ -342,17 +380,21 @@ def routed_experts(
     (the reference where none does). xc: [T, D] in the compute dtype; weights: [T, K]
     combine weights.
     """
-    def experts(rows):
-        return expert_mlp(rows, dispatch.group_sizes, params.gate_edf, params.up_edf,
-                          params.down_efd, activation=config.activation,
-                          implementation=config.implementation)
+    input_side = config.weight_side == "input"
+    combine_weights = jnp.ones_like(weights) if input_side else weights
+
+    def experts(rows, sort_order):
+        if input_side:  # each row times its assignment's weight (Llama 4)
+            rows = dispatch_lib.weight_rows(rows, sort_order, weights)
+        return routed_mlp(rows, dispatch.group_sizes, params, config)
 
     if not dropless or config.implementation is None:
         if dropless:  # each expert's rows from a whole tile of the grouped GEMM's backend
             dispatch = dispatch_lib.align_groups(dispatch, ragged_dot_api.row_alignment(
                 dispatch.sort_order.shape[0], config.num_experts, xc.dtype))
-        return dispatch_lib.combine(experts(dispatch_lib.permute(xc, dispatch)), dispatch,
-                                    weights)
+        rows = dispatch_lib.permute(xc, dispatch)
+        return dispatch_lib.combine(experts(rows, dispatch.sort_order), dispatch,
+                                    combine_weights)
     sort_order = dispatch.sort_order
     y = fused_experts(xc, sort_order, weights, dispatch.group_sizes, dispatch.num_routed,
                       params, config)
@@ -361,7 +403,18 @@ def routed_experts(
     names = frontdoor.with_reference(config.implementation, permute_api.BACKENDS)
     kw = dict(num_valid=dispatch.num_routed, implementation=names)
     rows = permute_api.permute(xc, sort_order, top_k=weights.shape[1], **kw)
-    return permute_api.combine(experts(rows), sort_order, weights, **kw)
+    return permute_api.combine(experts(rows, sort_order), sort_order, combine_weights, **kw)
+
+
+def routed_mlp(rows: jax.Array, group_sizes: jax.Array, params: MoEParams,
+               config: MoEConfig) -> jax.Array:
+    """``expert_mlp`` of rows [M, D] grouped by ``group_sizes`` int32[E] with the
+    layer's expert weights, biases, activation and grouped-GEMM rule: [M, D] float32
+    (float64 for float64 rows)."""
+    return expert_mlp(rows, group_sizes, params.gate_edf, params.up_edf, params.down_efd,
+                      activation=activation_of(config), implementation=config.implementation,
+                      gate_bias_ef=params.gate_bias_ef, up_bias_ef=params.up_bias_ef,
+                      down_bias_ed=params.down_bias_ed)
 
 
 def fused_experts(
@@ -383,10 +436,13 @@ def fused_experts(
     num_valid: routed rows (rows past it add nothing). Returns y [T, D] in the
     accumulation dtype, or None.
     """
+    if (config.activation not in FUSED_ACTIVATIONS or config.expert_bias
+            or config.weight_side != "output"):
+        return None  # what the fused kernels do not compute
     fused = fused_backend(config.implementation, x, weights, params.up_edf)
     if fused is None:
         return None
-    gate = None if config.activation == "gelu" else params.gate_edf
+    gate = params.gate_edf
     return moe_mlp(x, sort_order, weights, group_sizes, gate, params.up_edf,
                    params.down_efd, activation=config.activation, num_valid=num_valid,
                    implementation=fused)
@@ -417,9 +473,14 @@ def moe_aux(
     logits = routing.logits
     T = logits.shape[0] * num_shards
     finite = routing_lib.finite_rows(logits)
-    lb = routing_lib.load_balancing_loss(routing, reduce=reduce)
+    counted = routing
+    if config.loss_convention == "megatron":  # a plain top-k of the unbiased scores
+        counted = routing.replace(expert_ids=routing_lib.plain_top_k(logits, config.top_k))
+    lb = routing_lib.load_balancing_loss(counted, reduce=reduce)
+    if config.loss_convention == "megatron":
+        lb = lb / config.top_k
     z = routing_lib.router_z_loss(logits, finite, reduce=reduce)
-    seq = routing_lib.sequence_balance_loss(routing, seq_len or T, reduce=reduce,
+    seq = routing_lib.sequence_balance_loss(counted, seq_len or T, reduce=reduce,
                                             token_offset=token_offset, num_tokens=T)
     routed = reduce(jnp.sum(routing.mask, dtype=jnp.int32))
     dropped = reduce(num_dropped if num_overflow is None else num_dropped + num_overflow)

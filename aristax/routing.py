@@ -85,27 +85,43 @@ def apply_jitter(x: jax.Array, eps: float, rng: jax.Array) -> jax.Array:
     return (x.astype(jnp.float32) * noise).astype(x.dtype)
 
 
-def _limit_to_top_groups(select: jax.Array, num_groups: int, topk_groups: int) -> jax.Array:
-    """Mask selection scores outside each token's ``topk_groups`` best groups.
+def group_scores(select: jax.Array, num_groups: int, rule: str, top_k: int,
+                 topk_groups: int) -> jax.Array:
+    """float32[T, num_groups]: each group's score from its experts' selection scores
+    select [T, E] (E split into ``num_groups`` equal consecutive groups).
 
-    A group's score is the sum of its two best selection scores (DeepSeek-V3
-    ``n_group``/``topk_group``; one score when a group has one expert).
-
-    Args:
-      select: float32[T, E] selection scores.
-    Returns:
-      float32[T, E], -inf outside the chosen groups.
+    rule: "top2_sum", the sum of the group's two best (DeepSeek-V3; one when a group
+    has one expert); "max", its best (DeepSeek-V2 ``group_limited_greedy``);
+    "topk_over_groups", the sum of its top_k // topk_groups best (Megatron-Core
+    ``group_limited_topk``).
     """
     T, E = select.shape
     grouped = select.reshape(T, num_groups, E // num_groups)
-    best = jax.lax.top_k(grouped, min(2, E // num_groups))[0]
-    group_score = jnp.sum(best, axis=-1)  # [T, num_groups]
-    _, top_groups = jax.lax.top_k(group_score, topk_groups)  # [T, topk_groups]
-    keep = jnp.any(
-        top_groups[:, :, None] == jnp.arange(num_groups, dtype=jnp.int32)[None, None, :], axis=1
-    )  # [T, num_groups]
-    keep = jnp.repeat(keep, E // num_groups, axis=1)
-    return jnp.where(keep, select, -jnp.inf)
+    if rule == "max":
+        return jnp.max(grouped, axis=-1)
+    n = 2 if rule == "top2_sum" else top_k // topk_groups
+    return jnp.sum(jax.lax.top_k(grouped, min(n, E // num_groups))[0], axis=-1)
+
+
+def _limit_to_top_groups(select: jax.Array, cfg: RouterConfig) -> jax.Array:
+    """select [T, E] with -inf outside each token's ``cfg.topk_groups`` best groups
+    (``group_scores`` by ``cfg.group_score``; ties go to the lower group index)."""
+    T, E = select.shape
+    G = cfg.num_groups
+    score = group_scores(select, G, cfg.group_score, cfg.top_k, cfg.topk_groups)
+    _, top_groups = jax.lax.top_k(score, cfg.topk_groups)  # [T, topk_groups]
+    keep = jnp.any(top_groups[:, :, None] == jnp.arange(G, dtype=jnp.int32)[None, None, :],
+                   axis=1)  # [T, G]
+    return jnp.where(jnp.repeat(keep, E // G, axis=1), select, -jnp.inf)
+
+
+def normalize_weights(weights: jax.Array, p: float) -> jax.Array:
+    """weights [T, K] / their p-norm over K (p = 1: ``normalize_rows``, sum to 1; a row
+    of zeros stays 0). DBRX's ``moe_normalize_expert_weights`` is p."""
+    if p == 1:
+        return normalize_rows(weights)
+    norm = jnp.sum(jnp.abs(weights) ** p, axis=-1, keepdims=True) ** (1.0 / p)
+    return jnp.where(norm > 0, weights / jnp.where(norm > 0, norm, 1.0), 0.0)
 
 
 def finite_rows(logits: jax.Array) -> jax.Array:
@@ -141,15 +157,24 @@ def _token_choice(
     # topk_softmax ranks the logits; ranking softmax scores is the same order.
     select = scores if bias is None else scores + bias.astype(scores.dtype)
     if cfg.num_groups > 1:
-        select = _limit_to_top_groups(select, cfg.num_groups, cfg.topk_groups)
+        select = _limit_to_top_groups(select, cfg)
     _, ids = jax.lax.top_k(select, K)
     if cfg.router == "topk_softmax":
         weights = jax.nn.softmax(jnp.take_along_axis(logits, ids, axis=-1), axis=-1)
     else:
         weights = jnp.take_along_axis(scores, ids, axis=-1)
         if cfg.normalize_weights:
-            weights = normalize_rows(weights)
+            weights = normalize_weights(weights, cfg.weight_norm_p)
     return ids, weights * cfg.routed_scaling_factor, probs
+
+
+def plain_top_k(logits: jax.Array, top_k: int) -> jax.Array:
+    """int32[T, K]: each token's K highest logits' experts, with no selection bias and
+    no group limit (every score function here is increasing in the logit, so this is
+    the plain top-k of the scores): what Megatron-Core's auxiliary losses count.
+    Non-finite rows give arbitrary ids (their ``Routing.mask`` is False)."""
+    finite = finite_rows(logits)[:, None]
+    return jax.lax.top_k(jnp.where(finite, logits, 0.0), top_k)[1].astype(jnp.int32)
 
 
 def expert_choice_capacity(num_tokens: int, cfg: RouterConfig) -> int:

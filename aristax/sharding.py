@@ -39,7 +39,15 @@ PARAM_DIMS: dict[str, tuple[str | None, ...]] = {
     "shared_gate_df": ("embed", "mlp"),
     "shared_up_df": ("embed", "mlp"),
     "shared_down_fd": ("mlp", "embed"),
+    "router_bias_e": (None,),
+    "gate_bias_ef": ("expert", "mlp"),
+    "up_bias_ef": ("expert", "mlp"),
+    "down_bias_ed": ("expert", "embed"),
+    "shared_expert_gate_d": ("embed",),
 }
+# The fields indexed by expert (first dimension E, or a plan's slots): stored per
+# expert, laid out and split with the experts.
+EXPERT_FIELDS = tuple(name for name, dims in PARAM_DIMS.items() if dims[0] == "expert")
 
 
 def as_names(names: AxisNames) -> tuple[str, ...]:

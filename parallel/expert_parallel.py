@@ -61,9 +61,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from aristax import dispatch as dispatch_lib
 from aristax.config import MoEConfig
-from aristax.experts import expert_mlp
 from aristax.moe import (MoEParams, check_inputs, check_tokens, fused_experts, layer_body,
-                         make_dispatch, router_input)
+                         make_dispatch, routed_mlp, router_input)
 from aristax.pallas_kernels import frontdoor
 from aristax.parallel import collectives, overlap
 from aristax.parallel.collectives import check_exchange, default_exchange
@@ -131,9 +130,9 @@ def local_experts(recv: jax.Array, recv_counts: jax.Array, params: MoEParams, co
     out = fused_experts(recv, order, ones, sizes, jnp.sum(sizes), params, config)
     if out is not None:
         return out
-    out = expert_mlp(jnp.take(recv, order, axis=0), sizes, params.gate_edf, params.up_edf,
-                     params.down_efd, activation=config.activation,
-                     implementation=config.implementation)
+    out = routed_mlp(jnp.take(recv, order, axis=0), sizes, params, config)
+    if config.expert_bias:  # padding rows (last in expert order) would hold the biases
+        out = jnp.where((jnp.arange(out.shape[0]) < jnp.sum(sizes))[:, None], out, 0)
     return jnp.zeros_like(out).at[order].set(out, unique_indices=True)
 
 
@@ -150,6 +149,9 @@ def _exchange_experts(xc, dispatch, weights, params, config, *, W, B, expert_axi
       (y[Tc, D] routed output in the accumulation dtype, num_overflow int32[]).
     """
     rows = dispatch_lib.permute(xc, dispatch)  # [M, D] sorted by slot
+    if config.weight_side == "input":  # the weights scale the experts' input (Llama 4)
+        rows = dispatch_lib.weight_rows(rows, dispatch.sort_order, weights)
+        weights = jnp.ones_like(weights)
     M = rows.shape[0]
     offsets, sizes, sent_counts = send_layout(dispatch.group_sizes, W, B)
     recv_counts = jax.lax.all_to_all(sent_counts, expert_axis, 0, 0, tiled=True)

@@ -24,12 +24,11 @@ from jax.sharding import PartitionSpec as P
 
 from aristax.moe import MoEParams
 from aristax.pallas_kernels.tiling import on_auto_axes
-from aristax.sharding import DATA_AXIS, EXPERT_AXIS
+from aristax.sharding import DATA_AXIS, EXPERT_AXIS, EXPERT_FIELDS
 
 MESH_AXES = (DATA_AXIS, EXPERT_AXIS)
 HIERARCHICAL_AXES = (DATA_AXIS, "node", "local")
 EMPTY_SLOT = -1  # a physical slot that holds no expert (see expert_permutation)
-_EXPERT_FIELDS = ("gate_edf", "up_edf", "down_efd")
 
 
 def _group_nodes(plan, topology) -> int:
@@ -217,4 +216,4 @@ def layout_experts(params: MoEParams, perm: Sequence[int], *, inverse: bool = Fa
     return params.replace(**{
         name: None if getattr(params, name) is None
         else layout_expert_weights(getattr(params, name), perm, inverse=inverse)
-        for name in _EXPERT_FIELDS})
+        for name in EXPERT_FIELDS})

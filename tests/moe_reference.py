@@ -28,26 +28,33 @@ def _scores(logits, router):
     return _np_softmax(logits)
 
 
-def allowed_experts(select_row, num_groups, topk_groups):
-    """Experts of the ``topk_groups`` groups with the best sum of their two top scores."""
+def allowed_experts(select_row, num_groups, topk_groups, rule="top2_sum", top_k=None):
+    """Experts of the ``topk_groups`` best groups. A group's score: the sum of its two
+    top scores ("top2_sum", DeepSeek-V3), its top score ("max", DeepSeek-V2), or the
+    sum of its top_k // topk_groups top scores ("topk_over_groups", Megatron-Core)."""
     E = select_row.shape[0]
     size = E // num_groups
+    take = {"top2_sum": 2, "max": 1, "topk_over_groups": (top_k or 1) // topk_groups}[rule]
     group_scores = []
     for g in range(num_groups):
         members = sorted(select_row[g * size:(g + 1) * size], reverse=True)
-        group_scores.append(sum(members[: min(2, size)]))
+        group_scores.append(sum(members[: min(take, size)]))
     best = sorted(range(num_groups), key=lambda g: -group_scores[g])[:topk_groups]
     return sorted(e for g in best for e in range(g * size, (g + 1) * size))
 
 
-def plan(x, router_de, cfg, bias=None):
+def plan(x, router_de, cfg, bias=None, router_bias=None):
     """Which (token, expert, slot) assignments run, in NumPy.
 
-    Returns a dict: assignments [(t, e)] that are kept, routed count, dropped count,
-    load [E] (routed, before drops), and ids [T][*] chosen experts per token.
+    ``bias``: a selection bias [E] (selection only); ``router_bias``: a bias [E] on the
+    logits (GPT-OSS). Returns a dict: assignments [(t, e)] that are kept, routed count,
+    dropped count, load [E] (routed, before drops), and ids [T][*] chosen experts per
+    token.
     """
     x = np.asarray(x, np.float64)
     logits = x @ np.asarray(router_de, np.float64)
+    if router_bias is not None:
+        logits = logits + np.asarray(router_bias, np.float64)
     T, E = logits.shape
     K = cfg.top_k
     finite = np.all(np.isfinite(logits), axis=-1)
@@ -74,7 +81,8 @@ def plan(x, router_de, cfg, bias=None):
             select = select + np.asarray(bias, np.float64)
         candidates = list(range(E))
         if cfg.num_groups > 1:
-            candidates = allowed_experts(select, cfg.num_groups, cfg.topk_groups)
+            candidates = allowed_experts(select, cfg.num_groups, cfg.topk_groups,
+                                         getattr(cfg, "group_score", "top2_sum"), K)
         ids.append(sorted(candidates, key=lambda e: -select[e])[:K])
     load = np.bincount([e for row in ids for e in row], minlength=E)
     routed = int(load.sum())
@@ -112,7 +120,8 @@ def _token_weights(logits_t, chosen, cfg, xnp):
             s = s / xnp.sum(s)
         w = s[chosen]
         if cfg.normalize_weights and cfg.router != "expert_choice":
-            w = w / xnp.sum(w)
+            p = getattr(cfg, "weight_norm_p", 1.0)
+            w = w / xnp.sum(w ** p) ** (1.0 / p)
     return w * cfg.routed_scaling_factor
 
 
@@ -124,11 +133,19 @@ def weights_np(logits, ids, cfg):
 _np_erf = np.vectorize(math.erf)
 
 
-def _act(h_gate, h_up, activation, xnp):
+def _act(h_gate, h_up, cfg_or_activation, xnp):
+    activation = getattr(cfg_or_activation, "activation", cfg_or_activation)
     erf = jax.scipy.special.erf if xnp is jnp else _np_erf
     gelu = lambda h: 0.5 * h * (1.0 + erf(h / math.sqrt(2.0)))
     if activation == "gelu":
         return gelu(h_up)
+    if activation == "relu":
+        return xnp.maximum(h_up, 0.0)
+    if activation == "clamped_swiglu":  # GPT-OSS, from its model card's formula
+        limit, alpha = cfg_or_activation.swiglu_limit, cfg_or_activation.swiglu_alpha
+        g = xnp.minimum(h_gate, limit)
+        u = xnp.minimum(xnp.maximum(h_up, -limit), limit)
+        return (u + 1.0) * g / (1.0 + xnp.exp(-alpha * g))
     gate = h_gate / (1.0 + xnp.exp(-h_gate)) if activation == "swiglu" else gelu(h_gate)
     return gate * h_up
 
@@ -136,9 +153,10 @@ def _act(h_gate, h_up, activation, xnp):
 def forward(x, p, cfg, pl, xnp=np):
     """y[T, D] by a loop over tokens and their kept experts.
 
-    ``p``: dict router_de, gate_edf, up_edf, down_efd, and optional shared_* arrays.
+    ``p``: dict router_de, gate_edf, up_edf, down_efd, and optional router_bias_e,
+    gate_bias_ef, up_bias_ef, down_bias_ed, shared_* and shared_expert_gate_d arrays.
     ``pl``: the output of ``plan``. ``xnp``: ``np`` (float64, fast) or ``jnp`` (for
-    ``jax.grad``).
+    ``jax.grad``). ``cfg.weight_side`` "input" feeds w * x to the expert (Llama 4).
     """
     if xnp is np:
         x = np.asarray(x, np.float64)
@@ -147,6 +165,8 @@ def forward(x, p, cfg, pl, xnp=np):
     by_token = {t: [] for t in range(T)}
     for t, e in pl["kept"]:
         by_token[t].append(e)
+    bias = lambda name, e: 0.0 if p.get(name) is None else p[name][e]  # noqa: E731
+    input_side = getattr(cfg, "weight_side", "output") == "input"
     out = []
     for t in range(T):
         xt = x[t]
@@ -154,17 +174,25 @@ def forward(x, p, cfg, pl, xnp=np):
         chosen = pl["ids"][t]
         if chosen:
             logits_t = xt @ p["router_de"]
+            if p.get("router_bias_e") is not None:
+                logits_t = logits_t + p["router_bias_e"]
             w = _token_weights(logits_t, xnp.asarray(chosen), cfg, xnp)
             for k, e in enumerate(chosen):
                 if e not in by_token[t]:
                     continue  # dropped
-                gate = None if p.get("gate_edf") is None else xt @ p["gate_edf"][e]
-                h = _act(gate, xt @ p["up_edf"][e], cfg.activation, xnp)
-                yt = yt + w[k] * (h @ p["down_efd"][e])
+                xin = w[k] * xt if input_side else xt
+                gate = (None if p.get("gate_edf") is None
+                        else xin @ p["gate_edf"][e] + bias("gate_bias_ef", e))
+                h = _act(gate, xin @ p["up_edf"][e] + bias("up_bias_ef", e), cfg, xnp)
+                out_e = h @ p["down_efd"][e] + bias("down_bias_ed", e)
+                yt = yt + (out_e if input_side else w[k] * out_e)
         if p.get("shared_up_df") is not None:
             gate = None if p.get("shared_gate_df") is None else xt @ p["shared_gate_df"]
-            h = _act(gate, xt @ p["shared_up_df"], cfg.activation, xnp)
-            yt = yt + h @ p["shared_down_fd"]
+            h = _act(gate, xt @ p["shared_up_df"], cfg, xnp)
+            shared = h @ p["shared_down_fd"]
+            if p.get("shared_expert_gate_d") is not None:
+                shared = shared / (1.0 + xnp.exp(-(xt @ p["shared_expert_gate_d"])))
+            yt = yt + shared
         out.append(yt)
     return xnp.stack(out)
 

@@ -41,13 +41,23 @@ CASES = [(r, d, a, None) for r in ROUTERS for d in DISPATCH for a in ACTIVATIONS
 
 
 def make_params(cfg: MoEConfig, seed: int) -> MoEParams:
-    ks = jax.random.split(jax.random.key(seed), 4)
-    n = lambda k, s, scale: jax.random.normal(k, s) * scale  # noqa: E731
+    ks = iter(jax.random.split(jax.random.key(seed), 12))
+    n = lambda s, scale: jax.random.normal(next(ks), s) * scale  # noqa: E731
+    Fs = cfg.shared_width
+    shared, biased = cfg.num_shared_experts > 0, cfg.expert_bias
     return MoEParams(
-        router_de=n(ks[0], (D, E), 1.0),
-        up_edf=n(ks[1], (E, D, F), D ** -0.5),
-        gate_edf=None if cfg.activation == "gelu" else n(ks[2], (E, D, F), D ** -0.5),
-        down_efd=n(ks[3], (E, F, D), F ** -0.5))
+        router_de=n((D, E), 1.0),
+        up_edf=n((E, D, F), D ** -0.5),
+        gate_edf=n((E, D, F), D ** -0.5) if cfg.gated else None,
+        down_efd=n((E, F, D), F ** -0.5),
+        router_bias_e=n((E,), 1.0) if cfg.router_bias else None,
+        gate_bias_ef=n((E, F), 0.5) if biased and cfg.gated else None,
+        up_bias_ef=n((E, F), 0.5) if biased else None,
+        down_bias_ed=n((E, D), 0.5) if biased else None,
+        shared_up_df=n((D, Fs), D ** -0.5) if shared else None,
+        shared_gate_df=n((D, Fs), D ** -0.5) if shared and cfg.gated else None,
+        shared_down_fd=n((Fs, D), Fs ** -0.5) if shared else None,
+        shared_expert_gate_d=n((D,), 1.0) if cfg.shared_expert_gate else None)
 
 
 def reference(x, p: MoEParams, cfg: MoEConfig, shards: int):
@@ -55,7 +65,8 @@ def reference(x, p: MoEParams, cfg: MoEConfig, shards: int):
     applied to each of ``shards`` consecutive token blocks."""
     pd = {f.name: getattr(p, f.name) for f in dataclasses.fields(MoEParams)}
     blocks = np.split(np.asarray(x, np.float64), shards)
-    plans = [ref.plan(xb, pd["router_de"], cfg) for xb in blocks]
+    plans = [ref.plan(xb, pd["router_de"], cfg, router_bias=pd["router_bias_e"])
+             for xb in blocks]
     y = np.concatenate([ref.forward(xb, pd, cfg, pl) for xb, pl in zip(blocks, plans)])
 
     def loss(x, pd, ct):
@@ -131,3 +142,49 @@ def test_every_option_in_every_path(router, dispatch, activation, implementation
         assert set(kernel_calls["triton"]) & {"ragged_dot", "moe_mlp"}, kernel_calls
         if dispatch == "dropless" and router == "softmax_topk":
             assert {"route", "moe_mlp"} <= set(kernel_calls["triton"]), kernel_calls
+
+
+# The options of Hugging Face's blocks (issue 33), each combination named after a block
+# that uses it, through every path with kernels named and not (the kernels that do not
+# compute an option fall back to the reference for that step).
+HF_OPTIONS = {
+    "gpt_oss": dict(router="topk_softmax", top_k=2, router_bias=True, expert_bias=True,
+                    activation="clamped_swiglu", swiglu_limit=0.6, swiglu_alpha=1.3),
+    "llama4": dict(router="sigmoid", top_k=1, weight_side="input", num_shared_experts=1),
+    "qwen2_moe": dict(router="softmax_topk", top_k=3, num_shared_experts=2,
+                      shared_expert_gate=True),
+    "deepseek_v2_groups": dict(router="softmax_topk", top_k=2, num_groups=4, topk_groups=2,
+                               group_score="max", routed_scaling_factor=1.5),
+    "megatron_groups_pnorm": dict(router="sigmoid", top_k=4, num_groups=4, topk_groups=2,
+                                  group_score="topk_over_groups", normalize_weights=True,
+                                  weight_norm_p=2.0),
+    "switch_relu": dict(router="softmax_topk", top_k=1, activation="relu",
+                        capacity_factor=1.0, expert_bias=True),
+}
+HF_CASES = [(name, impl) for name in HF_OPTIONS for impl in (None, "triton")]
+
+
+@pytest.mark.parametrize("name,implementation", HF_CASES,
+                         ids=[f"{n}-{i}" for n, i in HF_CASES])
+def test_hf_block_options_in_every_path(name, implementation):
+    cfg = MoEConfig(num_experts=E, d_model=D, d_ff=F, implementation=implementation,
+                    **HF_OPTIONS[name])
+    seed = 1000 + HF_CASES.index((name, implementation))
+    params = make_params(cfg, seed)
+    x = jax.random.normal(jax.random.key(seed + 100), (T, D))
+    ct = jax.random.normal(jax.random.key(seed + 200), (T, D))
+    mesh = jax.make_mesh(MESH_SHAPE, ("data", "expert"))
+    paths = {"one_device": lambda x, p: moe(x, p, cfg),
+             "chunked": lambda x, p: chunked_moe(x, p, cfg, num_chunks=3),
+             "expert_parallel": lambda x, p: expert_parallel_moe(x, p, cfg, mesh,
+                                                                 exchange="padded")}
+    out = run_paths(cfg, x, params, ct, paths)
+    capacity = cfg.capacity_factor is not None
+    whole = reference(x, params, cfg, shards=1)
+    sharded = reference(x, params, cfg, shards=SHARDS) if capacity else whole
+    pd = {f.name: getattr(params, f.name) for f in dataclasses.fields(MoEParams)}
+    for path, (y, dropped, grads) in out.items():
+        y_ref, dropped_ref, loss = sharded if path == "expert_parallel" else whole
+        np.testing.assert_allclose(np.asarray(y), y_ref, atol=3e-5, rtol=3e-4, err_msg=path)
+        assert int(dropped) == dropped_ref, path
+        assert_grads(grads, jax.grad(loss, argnums=(0, 1))(x, pd, ct), path)

@@ -91,10 +91,12 @@ def expert_weights(params) -> ExpertWeights:
 
 def supports(config) -> bool:
     """Whether ``sparse_moe`` computes this ``MoEConfig``'s layer exactly: dropless
-    token-choice routing, gated experts in the input's dtype, no shared experts."""
+    token-choice routing, swiglu/geglu experts without biases weighted at their output,
+    a router without a bias, in the input's dtype, no shared experts."""
     return (config.router != "expert_choice" and config.capacity_factor is None
             and config.activation in ("swiglu", "geglu") and config.num_shared_experts == 0
-            and config.dtype is None)
+            and config.dtype is None and not config.router_bias and not config.expert_bias
+            and config.weight_side == "output")
 
 
 def use_decode_weights(num_tokens: int) -> bool:

@@ -31,8 +31,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from aristax.parallel import layout_expert_weights
-
-EXPERT_WEIGHTS = ("gate_edf", "up_edf", "down_efd")
+from aristax.sharding import EXPERT_FIELDS as EXPERT_WEIGHTS  # MoE.experts' attribute names
 
 
 class CorruptCheckpoint(ValueError):
@@ -83,7 +82,7 @@ def _is_expert_weight(path) -> bool:
 
 
 def _move_experts(tree, perm: Sequence[int] | None, *, inverse: bool):
-    """Expert weights (any leaf at .../experts/<gate_edf|up_edf|down_efd>) between the
+    """Expert weights (any leaf at .../experts/<one of EXPERT_WEIGHTS>) between the
     physical slot order ``perm`` and the logical order (``inverse``: to logical), and
     the layers' ``expert_layout`` with them (the identity in logical order)."""
     if perm is None:

@@ -27,20 +27,33 @@ import jax.numpy as jnp
 from aristax.pallas_kernels.permute import reference as permute_ref
 from aristax.pallas_kernels.ragged_dot import reference as ragged_dot_ref
 
-ACTIVATIONS = ("swiglu", "geglu", "gelu")
+ACTIVATIONS = ("swiglu", "geglu", "gelu")  # the fused moe_mlp op's
 GATED = ("swiglu", "geglu")
+# What ``hidden`` computes besides: the unfused expert MLP's other activations.
+OTHER_ACTIVATIONS = ("relu", "clamped_swiglu")
 
 
-def hidden(gate: jax.Array | None, up: jax.Array, activation: str) -> jax.Array:
+def hidden(gate: jax.Array | None, up: jax.Array, activation: str, *,
+           limit: float = 7.0, alpha: float = 1.702) -> jax.Array:
     """The expert activation of the pre-activations gate, up [..., F] (gate unused,
-    and may be None, for "gelu"). The one place this formula lives."""
+    and may be None, for "gelu" and "relu"). The one place these formulas live.
+
+    "clamped_swiglu" is GPT-OSS's (``GptOssExperts._apply_gate``): g = min(gate,
+    limit), u = clip(up, -limit, limit), (u + 1) * g * sigmoid(alpha * g).
+    """
     if activation == "gelu":
         return jax.nn.gelu(up, approximate=False)
+    if activation == "relu":
+        return jax.nn.relu(up)
     if activation == "swiglu":
         return jax.nn.silu(gate) * up
     if activation == "geglu":
         return jax.nn.gelu(gate, approximate=False) * up
-    raise ValueError(f"activation={activation!r} is invalid: choose one of {ACTIVATIONS}")
+    if activation == "clamped_swiglu":
+        g = jnp.minimum(gate, limit)
+        return (jnp.clip(up, -limit, limit) + 1) * g * jax.nn.sigmoid(alpha * g)
+    raise ValueError(f"activation={activation!r} is invalid: choose one of "
+                     f"{ACTIVATIONS + OTHER_ACTIVATIONS}")
 
 
 def check(x: jax.Array, weights: jax.Array, up_edf: jax.Array, *,
