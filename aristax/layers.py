@@ -255,6 +255,28 @@ class MoE(nnx.Module):
         if plan is not None:
             self.apply_plan(plan)
 
+    @classmethod
+    def from_hf(cls, block, *, rngs: nnx.Rngs, **kwargs) -> MoE:
+        """A layer computing the Hugging Face MoE block ``block`` (a torch module; see
+        ``aristax.models.hf_moe.from_hf`` for the blocks it reads): its config, its
+        weights and its selection bias. ``kwargs``: the constructor's (mesh, plan,
+        axes, deterministic); with a plan the weights are laid out for it.
+
+        Raises:
+          NotImplementedError: naming what of the block aristax does not compute.
+        """
+        # aristax.models imports this module: imported here, not at the top
+        from aristax.models import hf_moe
+
+        config, params = hf_moe.from_hf(block)
+        layer = cls(config, rngs=rngs, **kwargs)
+        layer.load_logical_params(params)
+        bias = hf_moe.selection_bias(block)
+        if bias is not None:
+            var = layer.router.balance_bias_e
+            var.set_value(layer._placed(None, bias, var[...]))
+        return layer
+
     def apply_plan(self, plan) -> None:
         """Carry out ``plan`` (as ``plan=`` does) on a layer built without one, whose
         experts are in logical order (e.g. just loaded from a checkpoint): store them in

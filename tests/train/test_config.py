@@ -104,7 +104,10 @@ def test_model_config_is_moe_config_for_the_moe_options():
                      bias_update_rate=0.01, capacity_factor=1.5, drop_policy="probability",
                      num_shared_experts=1, shared_d_ff=32, router_jitter=0.1,
                      lb_loss_coef=0.02, seq_aux_loss_coef=0.001, z_loss_coef=0.003,
-                     implementation="reference")
+                     implementation="reference", group_score="max", weight_norm_p=2.0,
+                     router_bias=True, selection_bias=True, weight_side="input",
+                     expert_bias=True, shared_expert_gate=True, swiglu_limit=5.0,
+                     swiglu_alpha=1.5, loss_convention="megatron")
     assert set(overrides) == set(MOE_KEYS)
     cfg = load_config(None, [f"model.{k}={v}" for k, v in overrides.items()])
     moe = moe_config(cfg.model, cfg.parallel)
