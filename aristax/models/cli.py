@@ -1,4 +1,5 @@
-"""``aristax generate``: greedy or sampled generation from a local HF Mixtral directory.
+"""``aristax generate``: greedy or sampled generation from a local HF Mixtral or
+Qwen3-MoE directory (the model is picked by config.json's ``model_type``).
 
     aristax generate CHECKPOINT --ids 1 415 2936 --max-new-tokens 32
     aristax generate CHECKPOINT --text "The capital of France is"   # needs tokenizer.json
@@ -18,14 +19,15 @@ import jax
 import numpy as np
 
 from aristax.config import check_float_dtype
+from aristax.models import from_pretrained
 from aristax.models.generate import generate_with_stats
-from aristax.models.mixtral import Mixtral
 
 
 def register(subparsers) -> argparse.ArgumentParser:
     """Add the ``generate`` subcommand to an argparse subparsers object."""
     p = subparsers.add_parser(
-        "generate", help="generate tokens from a local Hugging Face Mixtral checkpoint",
+        "generate",
+        help="generate tokens from a local Hugging Face Mixtral or Qwen3-MoE checkpoint",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="directory with config.json and *.safetensors")
     src = p.add_mutually_exclusive_group(required=True)
@@ -80,7 +82,7 @@ def _generate(args: argparse.Namespace) -> int:
     prompt = tokenizer.encode(args.text).ids if tokenizer is not None else args.ids
     if not prompt:
         raise ValueError("the prompt is empty: give --ids or a --text that tokenizes")
-    model = Mixtral.from_pretrained(checkpoint, dtype=args.dtype)
+    model = from_pretrained(checkpoint, dtype=args.dtype)
     eos = () if args.eos_token_id == -1 else args.eos_token_id  # None: the config's
     ids, stats = generate_with_stats(
         model, np.asarray([prompt], np.int32), args.max_new_tokens,

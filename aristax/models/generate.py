@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from aristax.models.mixtral import DecodeWeights, KVCache, Mixtral, check_token_ids
+from aristax.models.decoder import DecodeWeights, DecoderLM, KVCache, check_token_ids
 
 
 # --------------------------------------------------------------------- sampling
@@ -205,7 +205,7 @@ def _prompt_mask(ids: np.ndarray, attention_mask, pad: int | None,
     return mask
 
 
-def _special_ids(model: Mixtral, eos_token_id, pad_token_id
+def _special_ids(model: DecoderLM, eos_token_id, pad_token_id
                  ) -> tuple[tuple[int, ...], int | None]:
     """(EOS ids, pad id or None) as Hugging Face resolves them: the config's where not
     given, the pad id falling back to the first EOS id."""
@@ -261,7 +261,7 @@ def _run_steps(prefill: Callable, step: Callable, max_new_tokens: int, stops: bo
 
 
 def generate_with_stats(
-    model: Mixtral,
+    model: DecoderLM,
     input_ids,
     max_new_tokens: int,
     *,
@@ -308,7 +308,7 @@ def generate_with_stats(
 
 
 def generate(
-    model: Mixtral,
+    model: DecoderLM,
     input_ids,
     max_new_tokens: int,
     *,
@@ -323,7 +323,7 @@ def generate(
     """Generate up to ``max_new_tokens`` tokens after left-padded prompts.
 
     Args:
-      model: a ``Mixtral``.
+      model: a ``Mixtral`` or ``Qwen3Moe`` (any ``DecoderLM``).
       input_ids: int[B, S] prompts, left-padded to a common length S; ids in
         [0, vocab_size).
       max_new_tokens: N, tokens to generate per row.

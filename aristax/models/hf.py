@@ -1,17 +1,24 @@
-"""Hugging Face Mixtral checkpoints <-> ``aristax.models.Mixtral`` (no torch needed).
+"""Hugging Face checkpoints <-> the models of ``aristax.models`` (Mixtral, Qwen3-MoE;
+no torch needed).
 
 A checkpoint is a local directory with ``config.json`` and ``*.safetensors`` (one file,
-or shards listed in ``model.safetensors.index.json``). Two expert layouts exist:
+or shards listed in ``model.safetensors.index.json``). Every family shares the
+embedding, norms, attention (Qwen3-MoE adds ``self_attn.q_norm/k_norm.weight`` [Dh]
+and, with ``attention_bias``, ``self_attn.{q,k,v,o}_proj.bias``) and head tensors.
+MoE blocks come in two expert layouts:
 
 * per-expert (what transformers 4.x and 5.x ``save_pretrained`` write, and what the
-  published Mixtral checkpoints hold)::
+  published checkpoints hold); Mixtral::
 
     model.layers.{i}.block_sparse_moe.gate.weight            [E, D]
     model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight  [F, D]   gate
     model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight  [F, D]   up
     model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight  [D, F]   down
 
-* fused (transformers 5.x in-memory layout, ``conversion_mapping.py``)::
+  Qwen3-MoE: ``model.layers.{i}.mlp.gate.weight`` and
+  ``mlp.experts.{e}.{gate_proj,up_proj,down_proj}.weight``;
+
+* fused (transformers 5.x in-memory layout, ``conversion_mapping.py``), both::
 
     model.layers.{i}.mlp.gate.weight                [E, D]
     model.layers.{i}.mlp.experts.gate_up_proj       [E, 2F, D]  (gate rows, then up)
@@ -19,11 +26,13 @@ or shards listed in ``model.safetensors.index.json``). Two expert layouts exist:
 
 Both are read; the per-expert layout is written. aristax stacks experts along E:
 gate_edf/up_edf [E, D, F] = w1/w3 transposed, down_efd [E, F, D] = w2 transposed.
+A Qwen3-MoE dense layer holds ``model.layers.{i}.mlp.{gate,up,down}_proj.weight``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import warnings
@@ -38,10 +47,10 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from aristax.models.mixtral_config import MixtralConfig
+from aristax.models.decoder_config import DecoderConfig
 
 if TYPE_CHECKING:
-    from aristax.models.mixtral import Mixtral
+    from aristax.models.decoder import DecoderLM
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -150,18 +159,41 @@ class _Reader:
                       if n not in self.used and not n.endswith(_IGNORED_SUFFIXES))
 
 
-def _moe_prefix(reader: _Reader, i: int) -> str:
-    fused = f"model.layers.{i}.mlp.experts.gate_up_proj"
-    if fused in reader:
-        return f"model.layers.{i}.mlp"
-    if f"model.layers.{i}.mlp.gate.weight" in reader:
-        return f"model.layers.{i}.mlp"
-    return f"model.layers.{i}.block_sparse_moe"
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Where a family's per-expert checkpoint puts its MoE blocks: the prefix under
+    ``model.layers.{i}`` it writes and the names of each expert's gate, up and down
+    projections."""
+
+    moe_prefix: str
+    expert_names: tuple[str, str, str]
 
 
-def _read_experts(reader: _Reader, prefix: str, cfg: MixtralConfig):
+_LAYOUTS = {
+    "mixtral": _Layout("block_sparse_moe", ("w1", "w3", "w2")),
+    "qwen3_moe": _Layout("mlp", ("gate_proj", "up_proj", "down_proj")),
+}
+
+
+def _layout(cfg: DecoderConfig) -> _Layout:
+    if cfg.model_type not in _LAYOUTS:
+        raise ValueError(f"no Hugging Face checkpoint layout for model_type="
+                         f"{cfg.model_type!r}; known: {', '.join(sorted(_LAYOUTS))}")
+    return _LAYOUTS[cfg.model_type]
+
+
+def _moe_prefix(reader: _Reader, i: int, layout: _Layout) -> str:
+    """The fused layout's (transformers 5 in memory) ``mlp`` where the checkpoint holds
+    it, else the family's own prefix."""
+    if (f"model.layers.{i}.mlp.experts.gate_up_proj" in reader
+            or f"model.layers.{i}.mlp.gate.weight" in reader):
+        return f"model.layers.{i}.mlp"
+    return f"model.layers.{i}.{layout.moe_prefix}"
+
+
+def _read_experts(reader: _Reader, prefix: str, cfg: DecoderConfig, layout: _Layout):
     """(gate_edf, up_edf, down_efd) from either expert layout."""
-    E, D, F = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+    E, D, F = cfg.num_routed_experts, cfg.hidden_size, cfg.expert_intermediate_size
     fused = f"{prefix}.experts.gate_up_proj"
     if fused in reader:
         gate_up = reader.get(fused, (E, 2 * F, D))
@@ -173,25 +205,36 @@ def _read_experts(reader: _Reader, prefix: str, cfg: MixtralConfig):
         return np.stack([reader.get(f"{prefix}.experts.{e}.{w}.weight", shape).T
                          for e in range(E)])
 
-    return stack("w1", (F, D)), stack("w3", (F, D)), stack("w2", (D, F))
+    gate, up, down = layout.expert_names
+    return stack(gate, (F, D)), stack(up, (F, D)), stack(down, (D, F))
 
 
 def _set(param: nnx.Variable, array: np.ndarray, dtype) -> None:
     param.set_value(jnp.asarray(np.ascontiguousarray(array), dtype))
 
 
-def load_pretrained(model_class: type[Mixtral], directory: str | os.PathLike, *,
+def read_config_json(directory: str | os.PathLike) -> dict:
+    """The config.json object of a checkpoint directory; FileNotFoundError where there
+    is none, CheckpointError where it is not a JSON object."""
+    config_path = Path(directory) / "config.json"
+    if not config_path.exists():
+        raise FileNotFoundError(f"{config_path} not found: not a Hugging Face checkpoint")
+    return _read_json(config_path)
+
+
+def load_pretrained(model_class: type[DecoderLM], directory: str | os.PathLike, *,
                     dtype: str | None = None,
-                    matmul_precision: str | None = MixtralConfig.matmul_precision,
-                    mesh=None, plan=None) -> Mixtral:
-    """Read a Hugging Face Mixtral directory into a ``Mixtral`` (in eval mode).
+                    matmul_precision: str | None = DecoderConfig.matmul_precision,
+                    mesh=None, plan=None) -> DecoderLM:
+    """Read a Hugging Face directory into a ``model_class`` (in eval mode).
 
     Args:
-      model_class: ``Mixtral`` (``Mixtral.from_pretrained`` passes itself: the model
-        imports this module, not the other way round).
+      model_class: ``Mixtral`` or ``Qwen3Moe`` (``from_pretrained`` passes its class:
+        the models import this module, not the other way round); its
+        ``config_class.from_hf`` reads config.json and refuses another model_type.
       directory: holds config.json and the safetensors file(s).
-      dtype: parameter dtype (default: ``MixtralConfig.dtype``, "float32").
-      matmul_precision: ``MixtralConfig.matmul_precision`` (default "highest": float32
+      dtype: parameter dtype (default: the config's, "float32").
+      matmul_precision: ``DecoderConfig.matmul_precision`` (default "highest": float32
         products in full float32, as Hugging Face computes them).
       mesh, plan: as for ``Mixtral(...)``: expert parallelism over ``mesh``, the
         experts (logical in the checkpoint) stored in ``plan``'s physical order.
@@ -200,18 +243,15 @@ def load_pretrained(model_class: type[Mixtral], directory: str | os.PathLike, *,
         the tensor, its expected and its found shape.
     """
     directory = Path(directory)
-    config_path = directory / "config.json"
-    if not config_path.exists():
-        raise FileNotFoundError(f"{config_path} not found: not a Hugging Face checkpoint")
     overrides = {"matmul_precision": matmul_precision}
     if dtype is not None:
         overrides["dtype"] = dtype
-    cfg = MixtralConfig.from_hf(_read_json(config_path), **overrides)
+    cfg = model_class.config_class.from_hf(read_config_json(directory), **overrides)
+    layout = _layout(cfg)
     reader = _Reader(directory)
     model = nnx.eval_shape(lambda: model_class(cfg, rngs=nnx.Rngs(0), mesh=mesh))
     V, D, dt = cfg.vocab_size, cfg.hidden_size, cfg.dtype
-    H, G, Dh, E = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, \
-        cfg.num_local_experts
+    E = cfg.num_routed_experts
 
     _set(model.embed_vd, reader.get("model.embed_tokens.weight", (V, D)), dt)
     _set(model.norm.weight_d, reader.get("model.norm.weight", (D,)), dt)
@@ -221,17 +261,15 @@ def load_pretrained(model_class: type[Mixtral], directory: str | os.PathLike, *,
         reader.used.add("lm_head.weight")  # tied: the head is the embedding
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}"
-        _set(layer.input_norm.weight_d, reader.get(f"{p}.input_layernorm.weight", (D,)), dt)
-        _set(layer.post_attention_norm.weight_d,
-             reader.get(f"{p}.post_attention_layernorm.weight", (D,)), dt)
-        attn = layer.attn
-        _set(attn.q_dn, reader.get(f"{p}.self_attn.q_proj.weight", (H * Dh, D)).T, dt)
-        _set(attn.k_dm, reader.get(f"{p}.self_attn.k_proj.weight", (G * Dh, D)).T, dt)
-        _set(attn.v_dm, reader.get(f"{p}.self_attn.v_proj.weight", (G * Dh, D)).T, dt)
-        _set(attn.o_nd, reader.get(f"{p}.self_attn.o_proj.weight", (D, H * Dh)).T, dt)
-        moe_prefix = _moe_prefix(reader, i)
+        for name, (param, transpose) in _layer_params(layer, p).items():
+            shape = tuple(param.get_value().shape)  # abstract here: shape only
+            array = reader.get(name, shape[::-1] if transpose else shape)
+            _set(param, array.T if transpose else array, dt)
+        if layer.moe is None:
+            continue
+        moe_prefix = _moe_prefix(reader, i, layout)
         _set(layer.moe.router.weight_de, reader.get(f"{moe_prefix}.gate.weight", (E, D)).T, dt)
-        gate, up, down = _read_experts(reader, moe_prefix, cfg)
+        gate, up, down = _read_experts(reader, moe_prefix, cfg, layout)
         _set(layer.moe.experts.gate_edf, gate, dt)
         _set(layer.moe.experts.up_edf, up, dt)
         _set(layer.moe.experts.down_efd, down, dt)
@@ -239,7 +277,8 @@ def load_pretrained(model_class: type[Mixtral], directory: str | os.PathLike, *,
     _check_all_set(model)
     if plan is not None:
         for layer in model.layers:
-            layer.moe.apply_plan(plan)
+            if layer.moe is not None:
+                layer.moe.apply_plan(plan)
     unused = reader.unused()
     if unused:
         warnings.warn(f"{len(unused)} tensors in {directory} were not used: {unused[:8]}",
@@ -248,7 +287,39 @@ def load_pretrained(model_class: type[Mixtral], directory: str | os.PathLike, *,
     return model
 
 
-def _check_all_set(model: Mixtral) -> None:
+def _layer_params(layer, p: str) -> dict[str, tuple[nnx.Variable, bool]]:
+    """HF name -> (parameter, whether HF holds it transposed) of one decoder layer's
+    tensors outside its MoE block: norms, attention (q/k norms and biases where the
+    layer has them) and a dense MLP."""
+    attn = layer.attn
+    out = {f"{p}.input_layernorm.weight": (layer.input_norm.weight_d, False),
+           f"{p}.post_attention_layernorm.weight": (layer.post_attention_norm.weight_d, False)}
+    for name, weight, bias in (("q_proj", attn.q_dn, attn.q_bias_n),
+                               ("k_proj", attn.k_dm, attn.k_bias_m),
+                               ("v_proj", attn.v_dm, attn.v_bias_m),
+                               ("o_proj", attn.o_nd, attn.o_bias_d)):
+        out[f"{p}.self_attn.{name}.weight"] = (weight, True)
+        if bias is not None:
+            out[f"{p}.self_attn.{name}.bias"] = (bias, False)
+    if attn.q_norm is not None:
+        out[f"{p}.self_attn.q_norm.weight"] = (attn.q_norm.weight_d, False)
+        out[f"{p}.self_attn.k_norm.weight"] = (attn.k_norm.weight_d, False)
+    if layer.mlp is not None:
+        for name, param in (("gate_proj", layer.mlp.gate_df), ("up_proj", layer.mlp.up_df),
+                            ("down_proj", layer.mlp.down_fd)):
+            out[f"{p}.mlp.{name}.weight"] = (param, True)
+    return out
+
+
+def _layer_tensors(layer, p: str):
+    """(HF name, numpy tensor in HF's layout) of one decoder layer outside its MoE
+    block."""
+    for name, (param, transpose) in _layer_params(layer, p).items():
+        array = np.asarray(param[...])
+        yield name, array.T if transpose else array
+
+
+def _check_all_set(model: DecoderLM) -> None:
     """Every parameter was loaded; abstract RNG state (router jitter) gets key(0)."""
     for path, var in nnx.to_flat_state(nnx.state(model)):
         value = var.get_value()
@@ -264,33 +335,41 @@ def _check_all_set(model: Mixtral) -> None:
             var.set_value(jnp.zeros(value.shape, value.dtype))
 
 
-# The MoEConfig fields that change what a MoE block computes (not how or what it
-# trains with): a checkpoint in Mixtral's layout holds only Mixtral's values of them.
-_MOE_FIELDS_OF_A_CHECKPOINT = (
-    "num_experts", "top_k", "d_model", "d_ff", "activation", "router", "normalize_weights",
-    "num_groups", "topk_groups", "routed_scaling_factor", "bias_update_rate",
-    "capacity_factor", "num_shared_experts")
+# The MoEConfig fields that say how a MoE block computes or what it trains with, not
+# what it computes; every other field (what it computes: E, K, widths, activation,
+# routing, capacity, shared experts, biases, ... and any field added later) must hold
+# the family's value, the only one a checkpoint in the family's layout can hold.
+_MOE_FIELDS_NOT_IN_A_CHECKPOINT = frozenset((
+    "implementation", "num_chunks", "exchange", "debug_checks", "dtype", "param_dtype",
+    "lb_loss_coef", "seq_aux_loss_coef", "z_loss_coef", "router_jitter", "drop_policy",
+    "loss_convention"))
 
 
-def _check_mixtral_moe(model: Mixtral) -> None:
-    """Raise unless every MoE block computes Mixtral's (``config.moe_config()``)."""
-    mixtral = model.config.moe_config()
+def _check_family_moe(model: DecoderLM) -> None:
+    """Raise unless every MoE block computes the family's (``config.moe_config()``)."""
+    own, name = model.config.moe_config(), model.config.display_name
+    fields = [f.name for f in dataclasses.fields(own)
+              if f.name not in _MOE_FIELDS_NOT_IN_A_CHECKPOINT]
     for i, layer in enumerate(model.layers):
-        differ = [f"{name}={getattr(layer.moe.config, name)!r} (Mixtral: "
-                  f"{getattr(mixtral, name)!r})" for name in _MOE_FIELDS_OF_A_CHECKPOINT
-                  if getattr(layer.moe.config, name) != getattr(mixtral, name)]
+        if layer.moe is None:
+            continue
+        differ = [f"{field}={getattr(layer.moe.config, field)!r} ({name}: "
+                  f"{getattr(own, field)!r})" for field in fields
+                  if getattr(layer.moe.config, field) != getattr(own, field)]
         if differ:
             raise ValueError(
-                f"layer {i}'s MoE block is not Mixtral's: {', '.join(differ)}; a Hugging "
-                "Face Mixtral checkpoint cannot hold it (it would load as another model). "
+                f"layer {i}'s MoE block is not {name}'s: {', '.join(differ)}; a Hugging "
+                f"Face {name} checkpoint cannot hold it (it would load as another model). "
                 "Save the parameters with orbax (nnx.state(model)) instead")
 
 
-def hf_tensors(model: Mixtral) -> dict[str, np.ndarray]:
+def hf_tensors(model: DecoderLM) -> dict[str, np.ndarray]:
     """The model's weights as Hugging Face (per-expert layout) numpy tensors; raises for
-    a model built with a ``moe_config`` other than Mixtral's."""
-    _check_mixtral_moe(model)
+    a model built with a ``moe_config`` other than its family's."""
+    _check_family_moe(model)
     cfg = model.config
+    layout = _layout(cfg)
+    gate_name, up_name, down_name = layout.expert_names
     arr: Callable = lambda p: np.asarray(p[...])  # noqa: E731
     out = {"model.embed_tokens.weight": arr(model.embed_vd),
            "model.norm.weight": arr(model.norm.weight_d)}
@@ -298,23 +377,22 @@ def hf_tensors(model: Mixtral) -> dict[str, np.ndarray]:
         out["lm_head.weight"] = arr(model.lm_head_dv).T
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}"
-        out[f"{p}.input_layernorm.weight"] = arr(layer.input_norm.weight_d)
-        out[f"{p}.post_attention_layernorm.weight"] = arr(layer.post_attention_norm.weight_d)
-        for name, param in (("q_proj", layer.attn.q_dn), ("k_proj", layer.attn.k_dm),
-                            ("v_proj", layer.attn.v_dm), ("o_proj", layer.attn.o_nd)):
-            out[f"{p}.self_attn.{name}.weight"] = arr(param).T
-        m = f"{p}.block_sparse_moe"
+        out.update(_layer_tensors(layer, p))
+        if layer.moe is None:
+            continue
+        m = f"{p}.{layout.moe_prefix}"
         out[f"{m}.gate.weight"] = arr(layer.moe.router.weight_de).T
         ex = layer.moe.logical_params()  # a plan's physical slots back in expert order
-        for w, param in (("w1", ex.gate_edf), ("w3", ex.up_edf), ("w2", ex.down_efd)):
+        for w, param in ((gate_name, ex.gate_edf), (up_name, ex.up_edf),
+                         (down_name, ex.down_efd)):
             stacked = np.asarray(param)
-            for e in range(cfg.num_local_experts):
+            for e in range(cfg.num_routed_experts):
                 out[f"{m}.experts.{e}.{w}.weight"] = stacked[e].T
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
 def save_pretrained(
-    model: Mixtral, directory: str | os.PathLike, *, max_shard_bytes: int | None = None
+    model: DecoderLM, directory: str | os.PathLike, *, max_shard_bytes: int | None = None
 ) -> None:
     """Write config.json and safetensors in the layout transformers 5.x writes.
 

@@ -52,7 +52,12 @@ def make_hf(overrides: dict, seed: int = 0):
         **kwargs, rope_parameters={"rope_type": "default", "rope_theta": theta},
         attn_implementation="eager")
     torch.manual_seed(seed)
-    model = transformers.MixtralForCausalLM(cfg).eval()
+    return randomize(transformers.MixtralForCausalLM(cfg).eval())
+
+
+def randomize(model):
+    """``model`` (a transformers causal LM, built right after ``torch.manual_seed``)
+    with weights ~ N(0, 0.2) and norm weights 1 + N(0, 0.1), in place."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
