@@ -37,6 +37,14 @@ def test_readme_sharding_example_splits_experts_over_fsdp_and_f_over_tensor(caps
     assert capsys.readouterr().out.strip() == "(2, 32, 32)"
 
 
+def test_readme_hf_block_example_equals_the_block(capsys):
+    pytest.importorskip("transformers")
+    code = re.findall(r"```python\n(.*?)```", README, re.S)[3]
+    assert "hf_moe.from_hf(block)" in code
+    exec(compile(code, "README.md", "exec"), {})
+    assert capsys.readouterr().out.strip() == "True True"
+
+
 def test_main_job_is_aristax_train_on_a_shipped_config():
     job = re.search(r"```bash\n(.*aristax train (\S+))\n```", README)
     assert job, "the README's first command must run `aristax train CONFIG`"
