@@ -97,6 +97,9 @@ def _check_routing(cfg: Any, owner: str) -> None:
     p = cfg.weight_norm_p
     if not _is_finite_positive(p):
         _fail("weight_norm_p", p, "must be a finite number > 0 (1: weights sum to 1)", owner)
+    eps = cfg.weight_norm_eps
+    if not _is_number(eps) or not math.isfinite(eps) or eps < 0:
+        _fail("weight_norm_eps", eps, "must be a finite number >= 0", owner)
 
 
 def _check_implementation(value: Any) -> None:
@@ -145,6 +148,7 @@ class RouterConfig:
     expert_capacity_factor: float = 1.0
     group_score: str = "top2_sum"
     weight_norm_p: float = 1.0
+    weight_norm_eps: float = 0.0
 
     def __post_init__(self):
         _plain_scalars(self, "RouterConfig", ("normalize_weights",))
@@ -183,6 +187,8 @@ class MoEConfig:
         "topk_softmax", whose weights always sum to 1.
       weight_norm_p: p of that norm, w / (sum_k |w_k|^p)^(1/p) (DBRX's
         ``moe_normalize_expert_weights``); 1 by default.
+      weight_norm_eps: added to that norm before dividing (LFM2's 1e-6, DeepSeek-V3's
+        1e-20); 0 by default.
       num_groups, topk_groups: group-limited routing: experts are split into
         ``num_groups`` equal groups, each scored by ``group_score``, and tokens choose
         experts only inside their ``topk_groups`` best groups. ``num_groups=1``
@@ -267,6 +273,7 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0
     group_score: str = "top2_sum"
     weight_norm_p: float = 1.0
+    weight_norm_eps: float = 0.0
     router_bias: bool = False
     selection_bias: bool = False
     weight_side: str = "output"
@@ -379,6 +386,7 @@ class MoEConfig:
             expert_capacity_factor=1.0 if self.capacity_factor is None else self.capacity_factor,
             group_score=self.group_score,
             weight_norm_p=self.weight_norm_p,
+            weight_norm_eps=self.weight_norm_eps,
         )
 
     @property

@@ -328,7 +328,7 @@ def fused_routing(
     on the backends ``config.implementation`` names (the reference where none
     serves), or None when the plain path must run: no kernel named, a capacity or
     expert-choice layout, or what the kernel does not do: group-limited routing, a
-    router bias, a weight norm other than p = 1.
+    router bias, a weight norm other than p = 1 without epsilon.
 
     router_in: [T, D] router input; router_de: [D, E]; bias: float32[E] or None.
     Equal to ``routing_lib.route`` + ``dropless_dispatch`` (the kernel's contract).
@@ -338,7 +338,8 @@ def fused_routing(
              frontdoor.with_reference(config.implementation, route_api.BACKENDS))
     if (names in (None, ["reference"]) or rc.router not in KERNEL_ROUTERS
             or rc.num_groups > 1 or not is_dropless(config, router_in.shape[0])
-            or config.router_bias or (rc.normalize_weights and rc.weight_norm_p != 1)):
+            or config.router_bias
+            or (rc.normalize_weights and (rc.weight_norm_p != 1 or rc.weight_norm_eps))):
         return None
     score, normalize = KERNEL_ROUTERS[rc.router]
     out = route_api.route(router_in, router_de, top_k=rc.top_k, score=score, bias=bias,

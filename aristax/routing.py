@@ -115,12 +115,13 @@ def _limit_to_top_groups(select: jax.Array, cfg: RouterConfig) -> jax.Array:
     return jnp.where(jnp.repeat(keep, E // G, axis=1), select, -jnp.inf)
 
 
-def normalize_weights(weights: jax.Array, p: float) -> jax.Array:
-    """weights [T, K] / their p-norm over K (p = 1: ``normalize_rows``, sum to 1; a row
-    of zeros stays 0). DBRX's ``moe_normalize_expert_weights`` is p."""
-    if p == 1:
+def normalize_weights(weights: jax.Array, p: float, eps: float = 0.0) -> jax.Array:
+    """weights [T, K] / (their p-norm over K + eps) (p = 1, eps = 0: ``normalize_rows``,
+    sum to 1; a row of zeros stays 0). DBRX's ``moe_normalize_expert_weights`` is p;
+    LFM2 adds eps = 1e-6, DeepSeek-V3 1e-20."""
+    if p == 1 and eps == 0:
         return normalize_rows(weights)
-    norm = jnp.sum(jnp.abs(weights) ** p, axis=-1, keepdims=True) ** (1.0 / p)
+    norm = jnp.sum(jnp.abs(weights) ** p, axis=-1, keepdims=True) ** (1.0 / p) + eps
     return jnp.where(norm > 0, weights / jnp.where(norm > 0, norm, 1.0), 0.0)
 
 
@@ -164,7 +165,7 @@ def _token_choice(
     else:
         weights = jnp.take_along_axis(scores, ids, axis=-1)
         if cfg.normalize_weights:
-            weights = normalize_weights(weights, cfg.weight_norm_p)
+            weights = normalize_weights(weights, cfg.weight_norm_p, cfg.weight_norm_eps)
     return ids, weights * cfg.routed_scaling_factor, probs
 
 

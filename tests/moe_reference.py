@@ -121,7 +121,7 @@ def _token_weights(logits_t, chosen, cfg, xnp):
         w = s[chosen]
         if cfg.normalize_weights and cfg.router != "expert_choice":
             p = getattr(cfg, "weight_norm_p", 1.0)
-            w = w / xnp.sum(w ** p) ** (1.0 / p)
+            w = w / (xnp.sum(w ** p) ** (1.0 / p) + getattr(cfg, "weight_norm_eps", 0.0))
     return w * cfg.routed_scaling_factor
 
 

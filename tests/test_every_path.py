@@ -157,7 +157,7 @@ HF_OPTIONS = {
                                group_score="max", routed_scaling_factor=1.5),
     "megatron_groups_pnorm": dict(router="sigmoid", top_k=4, num_groups=4, topk_groups=2,
                                   group_score="topk_over_groups", normalize_weights=True,
-                                  weight_norm_p=2.0),
+                                  weight_norm_p=2.0, weight_norm_eps=0.3),
     "switch_relu": dict(router="softmax_topk", top_k=1, activation="relu",
                         capacity_factor=1.0, expert_bias=True),
 }

@@ -311,6 +311,7 @@ def test_sigmoid_router_with_underflowing_scores_stays_finite(implementation, no
     ("activation", dict(activation="tanh")),
     ("group_score", dict(group_score="sum")),
     ("weight_norm_p", dict(weight_norm_p=0)),
+    ("weight_norm_eps", dict(weight_norm_eps=-1e-6)),
     ("weight_side", dict(weight_side="both")),
     ("loss_convention", dict(loss_convention="switch")),
     ("swiglu_limit", dict(swiglu_limit=float("inf"))),

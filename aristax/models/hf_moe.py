@@ -30,7 +30,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from aristax.config import MoEConfig
-from aristax.moe import MoEParams
+from aristax.moe import MoEParams, param_shapes
+
+# MoEConfig fields that say how aristax runs or trains a layer, not what a block computes
+# (``to_hf`` ignores them).
+_NOT_STRUCTURAL = ("bias_update_rate", "capacity_factor", "drop_policy", "router_jitter",
+                   "lb_loss_coef", "seq_aux_loss_coef", "z_loss_coef", "loss_convention",
+                   "dtype", "param_dtype", "implementation", "debug_checks", "num_chunks",
+                   "exchange")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +54,8 @@ class RouterRule:
       selection_bias: dotted path, from the block, of the selection-only bias [E]
         (None: none).
       weight_side: ``MoEConfig.weight_side``.
+      norm_eps: what the router adds to the weights' sum before dividing
+        (``MoEConfig.weight_norm_eps``).
     """
 
     router: str
@@ -55,12 +64,14 @@ class RouterRule:
     groups: str | None = None
     selection_bias: str | None = None
     weight_side: str = "output"
+    norm_eps: float = 0.0
 
 
 _SOFTMAX = RouterRule("softmax_topk", normalize="norm_topk_prob")
 _RENORM = RouterRule("softmax_topk", normalize=True)
 _V3 = RouterRule("sigmoid", normalize="norm_topk_prob", scale="routed_scaling_factor",
-                 groups="top2_sum", selection_bias="gate.e_score_correction_bias")
+                 groups="top2_sum", selection_bias="gate.e_score_correction_bias",
+                 norm_eps=1e-20)
 # Router class name -> its routing (read from transformers 5's modeling files).
 ROUTERS: dict[str, RouterRule] = {
     **dict.fromkeys(("MixtralTopKRouter", "MiniMaxTopKRouter", "Qwen3_5MoeTopKRouter",
@@ -79,16 +90,16 @@ ROUTERS: dict[str, RouterRule] = {
     "BeamTopKRouter": _V3,  # its scaling factor is the block's
     "FlintTopKRouter": RouterRule("sigmoid", normalize="norm_topk_prob"),
     "HYV3TopKRouter": RouterRule("sigmoid", normalize=True, scale="router_scaling_factor",
-                                 selection_bias="e_score_correction_bias"),
+                                 selection_bias="e_score_correction_bias", norm_eps=1e-20),
     "AfmoeTokenChoiceRouter": RouterRule("sigmoid", normalize=True, scale="route_scale",
-                                         selection_bias="expert_bias"),
+                                         selection_bias="expert_bias", norm_eps=1e-20),
     "DeepseekV2TopkRouter": RouterRule("softmax_topk", scale="routed_scaling_factor",
                                        groups="max"),
     "Ernie4_5_MoeTopKRouter": dataclasses.replace(
         _RENORM, selection_bias="gate.moe_statics.e_score_correction_bias"),
     "Lfm2MoeTopKRouter": RouterRule("sigmoid", normalize="norm_topk_prob",
                                     scale="routed_scaling_factor",
-                                    selection_bias="expert_bias"),
+                                    selection_bias="expert_bias", norm_eps=1e-6),
     "MiniMaxM2TopKRouter": RouterRule("sigmoid", normalize=True,
                                       selection_bias="e_score_correction_bias"),
     **dict.fromkeys(("GptOssTopKRouter", "GraniteMoeTopKRouter", "GraniteMoeSharedTopKRouter",
@@ -299,6 +310,14 @@ def _plan(block) -> tuple[dict[str, Any], dict[str, Slot], str | None]:
     normalize = rule.normalize
     values["normalize_weights"] = bool(getattr(router, normalize, False)
                                        if isinstance(normalize, str) else normalize)
+    if values["normalize_weights"] and rule.norm_eps:
+        values["weight_norm_eps"] = rule.norm_eps
+    if cls == "Ernie4_5_MoeTopKRouter" and router.norm_min > top_k / E:
+        # w / clamp(sum, norm_min): the clamp never binds while norm_min <= K / E, the
+        # least a top-K softmax sum can be
+        raise NotImplementedError(f"{type(block).__name__}: moe_norm_min={router.norm_min} "
+                                  f"> top_k / E = {top_k / E} clamps the weights' sum, which "
+                                  "aristax does not compute")
     if cls == "DbrxRouter":
         p = block.moe_normalize_expert_weights
         values.update(normalize_weights=p is not None, weight_norm_p=float(p or 1.0))
@@ -325,7 +344,18 @@ def _plan(block) -> tuple[dict[str, Any], dict[str, Slot], str | None]:
 
 
 def _numpy(t) -> np.ndarray:
-    return t.detach().to("cpu").float().numpy()
+    """A torch tensor as NumPy: float64 kept, the other floats as float32 (exact for
+    bfloat16 and float16, which NumPy has no torch conversion for)."""
+    import torch
+
+    t = t.detach().to("cpu")
+    return (t if t.dtype == torch.float64 else t.float()).numpy()
+
+
+def _host(a) -> np.ndarray:
+    """An array of ours as NumPy for torch: float64 kept, else float32."""
+    a = np.asarray(a)
+    return a if a.dtype == np.float64 else a.astype(np.float32)
 
 
 def _unused(block, keys) -> None:
@@ -352,6 +382,13 @@ def from_hf(block) -> tuple[MoEConfig, MoEParams]:
     values, slots, sel_key = _plan(block)
     state = block.state_dict()
     _unused(block, list(slots) + ([sel_key] if sel_key else []))
+    jitter = max(float(getattr(m, name, 0.0) or 0.0) for m in (block, _router(block)[0])
+                 for name in ("jitter_noise", "router_jitter_noise"))
+    if jitter > 0:
+        warnings.warn(f"{type(block).__name__}: from_hf converts the block's eval-mode "
+                      f"computation; its training jitter ({jitter}) is not carried "
+                      "(MoEConfig.router_jitter jitters the router's input only)",
+                      UserWarning, stacklevel=2)
     capacity = getattr(getattr(block, "router", None), "expert_capacity", None)
     if capacity is not None:  # Switch Transformers
         warnings.warn(f"{type(block).__name__}: the block drops tokens past "
@@ -373,7 +410,18 @@ def from_hf(block) -> tuple[MoEConfig, MoEParams]:
             _numpy(state[f"experts.expert_{e}.wi.weight"]).T for e in range(E)]), dtype)
         fields["down_efd"] = jnp.asarray(np.stack([
             _numpy(state[f"experts.expert_{e}.wo.weight"]).T for e in range(E)]), dtype)
-    return MoEConfig(**values, param_dtype=str(dtype)), MoEParams(**fields)
+    return _config(block, values, str(dtype)), MoEParams(**fields)
+
+
+def _config(block, values: dict, param_dtype: str) -> MoEConfig:
+    """The ``MoEConfig`` of ``values``; a block setting with no aristax equivalent (a
+    zero-width shared expert, more picks than the allowed groups hold, ...) raises
+    ``NotImplementedError`` naming the block and the field."""
+    try:
+        return MoEConfig(**values, param_dtype=param_dtype)
+    except ValueError as err:
+        raise NotImplementedError(f"{type(block).__name__}: a setting aristax does not "
+                                  f"compute: {err}") from None
 
 
 def selection_bias(block) -> jnp.ndarray | None:
@@ -397,22 +445,36 @@ def to_hf(config: MoEConfig, params: MoEParams, like, *,
     import torch
 
     values, slots, sel_key = _plan(like)
-    for field, value in values.items():
-        if getattr(config, field) != value:
-            raise ValueError(f"to_hf: MoEConfig.{field}={getattr(config, field)!r}, but a "
-                             f"{type(like).__name__} like the one given has {value!r}")
+    expected = _config(like, values, config.param_dtype)
+    for field in dataclasses.fields(MoEConfig):
+        if field.name in _NOT_STRUCTURAL:
+            continue
+        ours, theirs = getattr(config, field.name), getattr(expected, field.name)
+        if ours != theirs:
+            raise ValueError(f"to_hf: MoEConfig.{field.name}={ours!r}, but a "
+                             f"{type(like).__name__} like the one given computes "
+                             f"{field.name}={theirs!r}")
+    for name, shape in param_shapes(config).items():
+        value = getattr(params, name)
+        found = None if value is None else tuple(np.shape(value))
+        if found != shape:
+            raise ValueError(f"to_hf: params.{name} has shape {found}; this config's "
+                             f"{type(like).__name__} needs {shape}")
+    if selection_bias is not None and sel_key is None:
+        raise ValueError(f"to_hf: selection_bias given, but a {type(like).__name__} like "
+                         "the one given has no selection bias")
     state = like.state_dict()
     out = {}
     for key, (names, _, to_hf_fn) in slots.items():
-        arrays = [np.asarray(getattr(params, n), np.float32) for n in names]
+        arrays = [_host(getattr(params, n)) for n in names]
         if to_hf_fn is None:  # Switch's per-expert Linear
             e = int(key.split(".")[1].removeprefix("expert_"))
             value = arrays[0][e].T
         else:
             value = to_hf_fn(*arrays)
-        out[key] = torch.from_numpy(np.array(value, np.float32)).to(state[key].dtype)
+        out[key] = torch.from_numpy(np.array(value)).to(state[key].dtype)
     if sel_key is not None:
         bias = state[sel_key] if selection_bias is None else torch.from_numpy(
-            np.asarray(selection_bias, np.float32)).reshape(state[sel_key].shape)
+            np.array(_host(selection_bias))).reshape(state[sel_key].shape)
         out[sel_key] = bias.to(state[sel_key].dtype)
     return out

@@ -159,3 +159,80 @@ def test_to_hf_refuses_a_config_of_another_block():
     config, params = hf_moe.from_hf(block)
     with pytest.raises(ValueError, match="MoEConfig.router="):
         hf_moe.to_hf(config.replace(router="sigmoid"), params, like=block)
+
+
+def _filled(block, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for w in block.parameters():
+            w.copy_(torch.randn(w.shape, generator=g) * 0.3)
+    return block.eval()
+
+
+def test_lfm2_epsilon_in_the_weights_sum():
+    """LFM2 divides by sum + 1e-6: with small sigmoid scores that is 5% of the weights
+    (found by an independent audit: aristax divided by the sum alone)."""
+    from transformers import Lfm2MoeConfig
+    from transformers.models.lfm2_moe.modeling_lfm2_moe import Lfm2MoeSparseMoeBlock
+
+    cfg = Lfm2MoeConfig(hidden_size=8, num_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=8, norm_topk_prob=True, use_expert_bias=False)
+    cfg._experts_implementation = "eager"
+    block = _filled(Lfm2MoeSparseMoeBlock(cfg), 0)
+    with torch.no_grad():
+        block.gate.weight.copy_(-1.0 - 0.1 * torch.arange(4.0)[:, None].expand(4, 8))
+    x = torch.full((1, 1, 8), 1.4)
+    config, params = hf_moe.from_hf(block)
+    assert config.weight_norm_eps == 1e-6
+    with torch.no_grad():
+        want = block(x).reshape(-1, 8).numpy()
+    assert rel_err(moe(jnp.asarray(x.numpy()).reshape(-1, 8), params, config)[0], want) < 1e-5
+
+
+def test_ernie_norm_min_that_clamps_is_refused():
+    from transformers import Ernie4_5_MoeConfig
+    from transformers.models.ernie4_5_moe.modeling_ernie4_5_moe import (
+        Ernie4_5_MoeSparseMoeBlock)
+
+    cfg = Ernie4_5_MoeConfig(hidden_size=8, moe_num_experts=8, moe_k=2, moe_intermediate_size=8,
+                             moe_num_shared_experts=0, moe_norm_min=0.9)
+    with pytest.raises(NotImplementedError, match="moe_norm_min=0.9"):
+        hf_moe.from_hf(_filled(Ernie4_5_MoeSparseMoeBlock(cfg), 0))
+
+
+def test_settings_without_an_aristax_equivalent_are_refused_naming_the_block():
+    from transformers import Qwen2MoeConfig
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+    cfg = Qwen2MoeConfig(hidden_size=8, moe_intermediate_size=8, num_experts=4,
+                         num_experts_per_tok=2, shared_expert_intermediate_size=0)
+    with pytest.raises(NotImplementedError, match="Qwen2MoeSparseMoeBlock.*shared_d_ff"):
+        hf_moe.from_hf(_filled(Qwen2MoeSparseMoeBlock(cfg), 0))
+
+
+def test_to_hf_refuses_routing_shapes_and_biases_the_block_does_not_have():
+    """Found by an independent audit: to_hf compared only the fields the target block
+    sets, so a grouped config went into an ungrouped block silently."""
+    grouped, plain = moe_block("deepseek_v3", 0), moe_block("mixtral", 0)
+    config, params = hf_moe.from_hf(grouped)
+    ungrouped = moe_block("deepseek_v3", 1)
+    ungrouped.gate.num_group = ungrouped.gate.topk_group = 1  # what n_group=1 builds
+    with pytest.raises(ValueError, match="num_groups=4"):
+        hf_moe.to_hf(config, params, like=ungrouped)
+    mconfig, mparams = hf_moe.from_hf(plain)
+    with pytest.raises(ValueError, match="routed_scaling_factor"):
+        hf_moe.to_hf(mconfig.replace(routed_scaling_factor=2.5), mparams, like=plain)
+    with pytest.raises(ValueError, match="params.up_edf has shape"):
+        hf_moe.to_hf(mconfig, mparams.replace(up_edf=mparams.up_edf[:, :, :4]), like=plain)
+    with pytest.raises(ValueError, match="no selection bias"):
+        hf_moe.to_hf(mconfig, mparams, like=plain, selection_bias=np.zeros(8))
+
+
+def test_float64_blocks_convert_exactly():
+    block = moe_block("mixtral", 6).double()
+    with jax.enable_x64(True):
+        config, params = hf_moe.from_hf(block)
+        assert params.up_edf.dtype == jnp.float64
+        state = hf_moe.to_hf(config, params, like=block)
+        for key, value in block.state_dict().items():
+            assert torch.equal(state[key], value), key

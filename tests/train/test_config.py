@@ -107,7 +107,8 @@ def test_model_config_is_moe_config_for_the_moe_options():
                      implementation="reference", group_score="max", weight_norm_p=2.0,
                      router_bias=True, selection_bias=True, weight_side="input",
                      expert_bias=True, shared_expert_gate=True, swiglu_limit=5.0,
-                     swiglu_alpha=1.5, loss_convention="megatron")
+                     swiglu_alpha=1.5, loss_convention="megatron",
+                     weight_norm_eps=1e-6)
     assert set(overrides) == set(MOE_KEYS)
     cfg = load_config(None, [f"model.{k}={v}" for k, v in overrides.items()])
     moe = moe_config(cfg.model, cfg.parallel)
