@@ -18,6 +18,7 @@ from flax import nnx
 from flax.nnx import bridge
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from aristax import hf_moe
 from aristax import routing as routing_lib
 from aristax.config import MoEConfig
 from aristax.moe import MoEParams, check_array, moe
@@ -259,15 +260,13 @@ class MoE(nnx.Module):
     def from_hf(cls, block, *, rngs: nnx.Rngs, **kwargs) -> MoE:
         """A layer computing the Hugging Face MoE block ``block`` (a torch module; see
         ``aristax.models.hf_moe.from_hf`` for the blocks it reads): its config, its
-        weights and its selection bias. ``kwargs``: the constructor's (mesh, plan,
-        axes, deterministic); with a plan the weights are laid out for it.
+        weights and its selection bias (``aristax.hf_moe``, also named
+        ``aristax.models.hf_moe``). ``kwargs``: the constructor's (mesh, plan, axes,
+        deterministic); with a plan the weights are laid out for it.
 
         Raises:
           NotImplementedError: naming what of the block aristax does not compute.
         """
-        # aristax.models imports this module: imported here, not at the top
-        from aristax.models import hf_moe
-
         config, params = hf_moe.from_hf(block)
         layer = cls(config, rngs=rngs, **kwargs)
         layer.load_logical_params(params)
