@@ -234,7 +234,7 @@ def test_layer_on_aligned_tiles_equals_the_reference(load, monkeypatch):
         def loss(p, x):
             y, aux = moe(x, p, cfg)
             return jnp.sum(y * jnp.cos(y)) + aux["loss"], y
-        return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
 
     assert api.row_alignment(T * K, E, jnp.float64) == 8
     with jax.enable_x64(True):
