@@ -1,11 +1,12 @@
 """Models built on aristax layers, with Hugging Face import/export: Mixtral and
-Qwen3-MoE, two configurations of one shared decoder (``aristax.models.decoder``)."""
+Qwen3-MoE, two configurations of one shared decoder (``aristax.models.decoder``); single
+Hugging Face MoE blocks convert through ``aristax.models.hf_moe``."""
 
 from __future__ import annotations
 
 import os
 
-from aristax.models import hf
+from aristax.models import hf, hf_moe
 from aristax.models.decoder import DecoderLM, DecoderOutput
 from aristax.models.generate import generate
 from aristax.models.mixtral import (
@@ -40,4 +41,4 @@ def from_pretrained(directory: str | os.PathLike, **kwargs) -> DecoderLM:
 
 __all__ = ["MODELS", "DecodeWeights", "DecoderLM", "DecoderOutput", "KVCache", "Mixtral",
            "MixtralConfig", "MixtralOutput", "Qwen3Moe", "Qwen3MoeConfig", "Qwen3MoeOutput",
-           "forward", "from_pretrained", "generate", "model_class"]
+           "forward", "from_pretrained", "generate", "hf_moe", "model_class"]
