@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from aristax.config import DROP_POLICIES, accumulation_dtype
+from aristax.experts import row_groups
 from aristax.pallas_kernels.tiling import vary_alike
 from aristax.routing import Routing
 
@@ -91,7 +92,7 @@ def align_groups(dispatch: Dispatch, multiple: int) -> Dispatch:
     padded = (sizes + multiple - 1) // multiple * multiple
     ends = jnp.cumsum(sizes, dtype=jnp.int32)
     row = jnp.arange(M, dtype=jnp.int32)
-    expert = jnp.minimum(jnp.searchsorted(ends, row, side="right"), E - 1)
+    expert = row_groups(sizes, M)
     moved = (jnp.cumsum(padded, dtype=jnp.int32) - padded)[expert] + row - (ends - sizes)[expert]
     new_row = jnp.where(dispatch.row_valid, moved, rows).astype(jnp.int32)  # rows: dropped
     return dispatch.replace(

@@ -29,7 +29,7 @@ def randomized(layer: MoE, seed: int) -> MoE:
     """The layer with every parameter (biases included) and the selection bias random."""
     rng = np.random.default_rng(seed)
     for _, var in nnx.iter_graph(layer):
-        if isinstance(var, (nnx.Param, nnx.Variable)) and not isinstance(
+        if isinstance(var, nnx.Variable) and not isinstance(
                 var, nnx.RngState) and jnp.issubdtype(var[...].dtype, jnp.floating):
             var.set_value(jnp.asarray(rng.standard_normal(var[...].shape) * 0.5,
                                       var[...].dtype))

@@ -111,13 +111,13 @@ def test_block_equals_aristax_outputs_logits_gradients_and_round_trip(name):
         np.testing.assert_allclose(np.asarray(lj), logits.detach().reshape(-1, lj.shape[-1])
                                    .numpy()[:, :config.num_experts], atol=1e-5, rtol=1e-5)
     assert rel_err(dx, x.grad.numpy()) < 1e-4
-    grads_hf = hf_moe.to_hf(config.replace(capacity_factor=None), dparams, like=block)
+    grads_hf = hf_moe.to_hf(config, dparams, like=block)
     for key, param in block.named_parameters():
         if key in grads_hf and param.grad is not None:
             assert rel_err(grads_hf[key], param.grad.numpy()) < 1e-4, key
     # round trip: the state dict back from aristax's params, into a block of other values
     other = moe_block(name, 3).float()
-    state = hf_moe.to_hf(config.replace(capacity_factor=None), params, like=other,
+    state = hf_moe.to_hf(config, params, like=other,
                          selection_bias=bias)
     assert set(state) == set(block.state_dict())
     other.load_state_dict(state)
