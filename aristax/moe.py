@@ -373,12 +373,14 @@ def routed_experts(
 ) -> jax.Array:
     """The routed experts' weighted sum y[T, D] (float32; float64 for float64 xc).
 
-    permute -> ``expert_mlp`` -> combine; a dropless layout for the platform's default
-    grouped GEMM is first aligned to its tiles (``dispatch.align_groups``). When
-    ``dispatch`` is ``dropless`` and ``config.implementation`` names kernels: the fused
-    ``moe_mlp`` does all three if one of them serves it (``fused_experts``); else
-    permute and combine run on the ``pallas_kernels`` backends it names that serve them
-    (the reference where none does). xc: [T, D] in the compute dtype; weights: [T, K]
+    A ``dropless`` dispatch runs the fused ``moe_mlp`` (gather, expert MLP and
+    weighted combine in one op) where one serves (``fused_experts``: a kernel that
+    ``config.implementation`` names, or with None the platform's default, the "xla"
+    loop on the CPU). Else permute -> ``expert_mlp`` -> combine; with
+    ``implementation=None`` a dropless layout is first aligned to the default grouped
+    GEMM's tiles (``dispatch.align_groups``); when ``config.implementation`` names
+    kernels, permute and combine run on the ``pallas_kernels`` backends it names that
+    serve them (the reference where none does). xc: [T, D] in the compute dtype; weights: [T, K]
     combine weights.
     """
     input_side = config.weight_side == "input"
@@ -389,6 +391,11 @@ def routed_experts(
             rows = dispatch_lib.weight_rows(rows, sort_order, weights)
         return routed_mlp(rows, dispatch.group_sizes, params, config)
 
+    if dropless:
+        y = fused_experts(xc, dispatch.sort_order, weights, dispatch.group_sizes,
+                          dispatch.num_routed, params, config)
+        if y is not None:
+            return y
     if not dropless or config.implementation is None:
         if dropless:  # each expert's rows from a whole tile of the grouped GEMM's backend
             dispatch = dispatch_lib.align_groups(dispatch, ragged_dot_api.row_alignment(
@@ -397,10 +404,6 @@ def routed_experts(
         return dispatch_lib.combine(experts(rows, dispatch.sort_order), dispatch,
                                     combine_weights)
     sort_order = dispatch.sort_order
-    y = fused_experts(xc, sort_order, weights, dispatch.group_sizes, dispatch.num_routed,
-                      params, config)
-    if y is not None:
-        return y
     names = frontdoor.with_reference(config.implementation, permute_api.BACKENDS)
     kw = dict(num_valid=dispatch.num_routed, implementation=names)
     rows = permute_api.permute(xc, sort_order, top_k=weights.shape[1], **kw)
@@ -427,10 +430,11 @@ def fused_experts(
     params: MoEParams,
     config: MoEConfig,
 ) -> jax.Array | None:
-    """``moe_mlp`` (gather, expert MLP, weighted combine in one kernel op) on the kernel
-    backend that ``config.implementation`` picks, or None when it picks none
-    (``moe_mlp.fused_backend``: never for None or "reference" first); callers then run
-    the unfused path.
+    """``moe_mlp`` (gather, expert MLP, weighted combine in one op) on the backend that
+    ``config.implementation`` picks (None: the platform's layer default, "xla" on the
+    CPU), or None when it picks none (``moe_mlp.fused_backend``: "reference" first, no
+    default on the platform, or every named kernel refuses) or the config asks what
+    the fused op does not compute; callers then run the unfused path.
 
     x: [T, D] compute dtype; sort_order: int32[T*K] flat assignment t*K + k of each row
     in expert order (``Dispatch.sort_order``); weights: [T, K]; group_sizes: int32[E];

@@ -10,7 +10,13 @@ A backend is a module in this folder (the protocol of ``frontdoor``) with
       down_efd, *, activation, tiles, interpret)`` -> y [T, D] float32;
   ``backward_tiles(tiles)``: the ``ragged_dot`` tiles of its backward GEMMs;
 and its backward runs on the backends of the same name of ``ragged_dot`` and
-``permute``. "reference" is the unfused composition under plain JAX autodiff.
+``permute``, unless the backend has a backward of its own:
+  ``forward(...)`` (moe_mlp's arguments) -> (y, saved) and
+  ``backward(residuals, saved, dy, *, activation, tiles, interpret)`` -> the
+      gradients, residuals being (x, sort_order, weights, group_sizes, num_valid, gate,
+      up, down) as the forward took them ("xla" does: its tile loops gather and
+      scatter themselves and save the pre-activations).
+"reference" is the unfused composition under plain JAX autodiff.
 
 The backward of a kernel backend (``_kernel_bwd``) is unfused and runs on the
 backends of the same name of ``permute`` and ``ragged_dot``. With w_m = weights.flat
@@ -38,19 +44,24 @@ import jax
 import jax.numpy as jnp
 
 from aristax.pallas_kernels import frontdoor
-from aristax.pallas_kernels.moe_mlp import mosaic_gpu, reference, triton
+from aristax.pallas_kernels.moe_mlp import mosaic_gpu, reference, triton, xla
 from aristax.pallas_kernels.permute import api as permute_api
 from aristax.pallas_kernels.ragged_dot import api as ragged_dot_api
 from aristax.pallas_kernels.tiling import vary_alike
 
 OP = "moe_mlp"
 BACKENDS: dict[str, ModuleType] = {
-    "reference": reference, "triton": triton, "mosaic_gpu": mosaic_gpu}
+    "reference": reference, "triton": triton, "mosaic_gpu": mosaic_gpu, "xla": xla}
 DEFAULT_ORDER: dict[str, tuple[str, ...]] = {
     "gpu": ("triton", "reference"),
     "cuda": ("triton", "reference"),
-    "cpu": ("reference",),
+    "cpu": ("xla", "reference"),
 }
+# What ``fused_backend(None, ...)`` (the MoE layer's default, ``implementation=None``)
+# runs per platform; elsewhere the layer stays unfused. On the CPU the fused "xla"
+# loop took 0.64-0.78x the unfused layer's time (experiments/benchmarks/moe_layer.py);
+# on a GPU the unfused layer was the fastest (gpu_check.py).
+LAYER_DEFAULT: dict[str, str] = {"cpu": "xla"}
 
 
 def _fail(name: str, expected: str, got: Any) -> None:
@@ -106,9 +117,14 @@ def _kernel_moe_mlp(x, sort_order, weights, group_sizes, nv, gate, up, down,
 
 def _kernel_fwd(x, sort_order, weights, group_sizes, nv, gate, up, down,
                 name, activation, interpret, tiles, precision):
-    y = _kernel_moe_mlp(x, sort_order, weights, group_sizes, nv, gate, up, down,
-                        name, activation, interpret, tiles, precision)
-    return y, (x, sort_order, weights, group_sizes, nv, gate, up, down)
+    residuals = (x, sort_order, weights, group_sizes, nv, gate, up, down)
+    backend = BACKENDS[name]
+    if hasattr(backend, "backward"):  # saves what its own backward reads
+        y, saved = backend.forward(*residuals, activation=activation, tiles=tiles,
+                                   interpret=interpret)
+        return y, (residuals, saved)
+    y = _kernel_moe_mlp(*residuals, name, activation, interpret, tiles, precision)
+    return y, (residuals, None)
 
 
 def _gemms(name: str, group_sizes, tiles, interpret: bool):
@@ -141,7 +157,12 @@ def _assignment_values(values, sort_order, shape):
 def _kernel_bwd(name, activation, interpret, tiles, precision, residuals, dy):
     """Gradients for x, weights, gate, up, down (module docstring); None for the
     integer arguments. Traced at the forward call's matmul precision."""
+    residuals, saved = residuals
     with jax.default_matmul_precision(precision):
+        backend = BACKENDS[name]
+        if hasattr(backend, "backward"):
+            return backend.backward(residuals, saved, dy, activation=activation,
+                                    tiles=tiles, interpret=interpret)
         return _kernel_grads(name, activation, interpret, tiles, residuals, dy)
 
 
@@ -180,14 +201,17 @@ def fused_backend(implementation: frontdoor.Implementation, x, weights, up_edf, 
                   interpret: bool | None = None) -> str | None:
     """The kernel backend ``moe_mlp`` would run for ``implementation``, or None.
 
-    None for ``implementation=None`` (callers keep their unfused path), when
-    "reference" comes before any kernel that serves, or when every kernel refuses.
+    For ``implementation=None``: ``LAYER_DEFAULT``'s backend for the platform if it
+    serves (the CPU: "xla"), else None (callers keep their unfused path). None also
+    when "reference" comes before any kernel that serves, or every kernel refuses.
     Names that this op does not register but ``ragged_dot`` does (e.g. "mosaic_gpu")
     are skipped; others raise ValueError. x [T, D], weights [T, K], up_edf [E, D, F]
     as in ``moe_mlp``.
     """
     if implementation is None:
-        return None
+        implementation = LAYER_DEFAULT.get(jax.default_backend())
+        if implementation is None:
+            return None
     known = {**ragged_dot_api.BACKENDS, **BACKENDS}
     names = frontdoor.candidates(OP, known, DEFAULT_ORDER, implementation)
     interpret = frontdoor.resolve_interpret(interpret)
@@ -234,14 +258,15 @@ def moe_mlp(
         the cast).
       activation: "swiglu" | "geglu" | "gelu" (exact erf GELU).
       num_valid: routed rows (default ``sum(group_sizes)``).
-      implementation: backend name or ordered list ("triton", "mosaic_gpu",
-        "reference"); None = the platform default ("triton" then "reference" on GPU,
-        "reference" on CPU: at the Mixtral shape, T 4096, on an H200 forward and
-        backward took 35 ms on Triton and 65 ms on Mosaic GPU; ``gpu_check.py``).
+      implementation: backend name or ordered list ("triton", "mosaic_gpu", "xla",
+        "reference"); None = the platform default ("triton" then "reference" on GPU:
+        at the Mixtral shape, T 4096, on an H200 forward and backward took 35 ms on
+        Triton and 65 ms on Mosaic GPU, ``gpu_check.py``; "xla" on CPU).
       interpret: Pallas interpret mode; None = iff the default backend is the CPU
         (pass False to lower the real kernels, e.g. under ``jax.export``).
       tiles: the backend's tiles (``MoeMlpTiles`` for "triton", ``MosaicMoeMlpTiles``
-        for "mosaic_gpu"), a mapping {backend: tiles}, or None (heuristics).
+        for "mosaic_gpu", ``XlaTiles`` for "xla"), a mapping {backend: tiles}, or None
+        (heuristics).
     Returns:
       y [T, D] in the accumulation dtype (float32; float64 for float64 inputs).
       Differentiable in x, weights, gate_edf, up_edf and down_efd.

@@ -4,8 +4,9 @@ front-door errors, CUDA lowering on this CPU machine, and ``aristax.moe`` with
 ``MoEConfig(implementation=<kernel>)`` against ``implementation="reference"``.
 
 Tests are parametrized over ``KERNELS`` (the registered backends but "reference"),
-so a backend registered later runs them too; on CPU the kernels run in Pallas
-interpret mode. Routings, weights and num_valid are traced data: all routing cases
+so a backend registered later runs them too, or over ``PALLAS`` (those but the
+plain-XLA "xla") where they lower Pallas kernels for CUDA; on CPU the Pallas kernels
+run in interpret mode. "xla"'s own tests are in test_moe_mlp_xla.py. Routings, weights and num_valid are traced data: all routing cases
 of one (backend, shape, dtype, activation) share one compiled program.
 """
 
@@ -22,8 +23,8 @@ import pytest
 
 from cuda_export import MOSAIC_INTERPRET, TRITON_CUDA, export_for_cuda
 from aristax import MoEConfig, MoEParams, moe
+from aristax.pallas_kernels import frontdoor, moe_mlp
 from aristax.pallas_kernels import mosaic_gpu_common as mgpu
-from aristax.pallas_kernels import moe_mlp
 from aristax.pallas_kernels.moe_mlp import (
     GateUpTiles, MoeMlpTiles, MosaicMoeMlpTiles, api, fused_backend, mosaic_gpu, reference,
 )
@@ -31,8 +32,10 @@ from aristax.pallas_kernels.permute import reference as permute_reference
 from aristax.pallas_kernels.ragged_dot import mosaic_gpu as mg
 from aristax.pallas_kernels.ragged_dot import reference as ragged_dot_reference
 from aristax.pallas_kernels.ragged_dot.triton import KernelTiles, TritonTiles
+from aristax.pallas_kernels.ragged_dot.xla import XlaTiles
 
 KERNELS = [name for name in api.BACKENDS if name != "reference"]
+PALLAS = [name for name in KERNELS if name not in frontdoor.PLAIN_XLA]
 # (T, D, F, E, K): T odd, T*K, D and F not multiples of the 16-row / 16..32 tiles.
 SHAPE = (19, 24, 40, 5, 2)
 SHAPE_K_EQ_E = (7, 24, 40, 3, 3)  # K = E
@@ -48,7 +51,10 @@ TILES = {"triton": MoeMlpTiles(
     # and down block_n = 64 asked for (the epilogue needs 128: it must be raised)
     "mosaic_gpu": MosaicMoeMlpTiles(
         gate_up=GateUpTiles(block_m=128),
-        down=mg.MosaicTiles(block_m=64, block_n=64, max_concurrent_steps=1))}
+        down=mg.MosaicTiles(block_m=64, block_n=64, max_concurrent_steps=1)),
+    # tiles of 32, 16 and 8 rows: groups of SHAPE_XLA need all three loops
+    "xla": XlaTiles(block_m=32, align=8)}
+SHAPE_XLA = (67, 24, 40, 5, 2)
 # Per backend: every activation, both operand widths where served (bf16 operands
 # accumulate in float32), K = E; the routing cases each combination runs (None: all
 # of ``routings``). An interpreted Mosaic GPU forward+backward takes ~12 s, so its
@@ -61,9 +67,12 @@ COMBOS = {
                    ("gelu", jnp.float16, MOSAIC_SHAPE, ("random", "unrouted_tokens")),
                    ("geglu", jnp.bfloat16, MOSAIC_SHAPE_K_EQ_E,
                     ("random", "nothing_routed"))],
+    "xla": [("swiglu", jnp.float32, SHAPE_XLA, None), ("gelu", jnp.bfloat16, SHAPE, None),
+            ("geglu", jnp.float32, SHAPE_K_EQ_E, None)],
 }
 # (shape, x dtype) each backend serves, for the tests that need one call
-SERVED = {"triton": (SHAPE, jnp.float32), "mosaic_gpu": (MOSAIC_SHAPE, jnp.bfloat16)}
+SERVED = {"triton": (SHAPE, jnp.float32), "mosaic_gpu": (MOSAIC_SHAPE, jnp.bfloat16),
+          "xla": (SHAPE, jnp.float32)}
 UNROUTED = 10_000  # key of an unrouted slot: sorts after every expert
 
 
@@ -233,7 +242,19 @@ def test_every_backend_runs_every_routing():
         assert ran == set(routings(T, E, K)), name
 
 
-@pytest.mark.parametrize("name", KERNELS)
+def counting(name: str, monkeypatch) -> list:
+    """BACKENDS[name] replaced by a copy whose forward entry point (``forward`` where it
+    has a backward of its own, else ``moe_mlp``) appends to the list returned."""
+    calls, real = [], api.BACKENDS[name]
+    entry = "forward" if hasattr(real, "backward") else "moe_mlp"
+    fake = types.SimpleNamespace(**{k: getattr(real, k) for k in dir(real)
+                                    if not k.startswith("__")})
+    setattr(fake, entry, lambda *a, **k: calls.append(1) or getattr(real, entry)(*a, **k))
+    monkeypatch.setitem(api.BACKENDS, name, fake)
+    return calls
+
+
+@pytest.mark.parametrize("name", PALLAS)
 def test_backend_choice_and_fallback(name, monkeypatch):
     shape, dtype = SERVED[name]
     T, D, F, E, K = shape
@@ -251,16 +272,12 @@ def test_backend_choice_and_fallback(name, monkeypatch):
     assert jax.eval_shape(lambda: moe_mlp(x, wide_order, wide, sizes, gate, up, down,
                                           activation="swiglu",
                                           implementation=[name, "reference"])).shape == (T, D)
-    calls = []
-    real = api.BACKENDS[name]
-    monkeypatch.setitem(api.BACKENDS, name, types.SimpleNamespace(
-        check=real.check, backward_tiles=real.backward_tiles,
-        moe_mlp=lambda *a, **k: calls.append(1) or real.moe_mlp(*a, **k)))
+    calls = counting(name, monkeypatch)
     assert call(name).dtype == jnp.float32 and calls == [1]
-    call(None)  # the platform default: the reference on the CPU, Triton first on a GPU
+    call(None)  # the platform default: "xla" on the CPU, Triton first on a GPU
     default_first = api.DEFAULT_ORDER.get(jax.default_backend(), ("reference",))[0]
     assert calls == [1] * (1 + (default_first == name))
-    assert fused_backend(None, x, weights, up) is None
+    assert fused_backend(None, x, weights, up) == api.LAYER_DEFAULT.get(jax.default_backend())
     assert fused_backend("reference", x, weights, up) is None
     assert fused_backend(["reference", name], x, weights, up) is None
     assert fused_backend([name, "reference"], x, weights, up) == name
@@ -340,9 +357,9 @@ EXPORT_KERNELS = {
 
 
 @pytest.mark.parametrize(
-    "name, case", [(n, c) for n in KERNELS for c in EXPORT_CASES[n]],
+    "name, case", [(n, c) for n in PALLAS for c in EXPORT_CASES[n]],
     ids=[f"{n}-{jnp.dtype(c[0])}-{c[1]}-{'x'.join(map(str, c[2]))}"
-         for n in KERNELS for c in EXPORT_CASES[n]])
+         for n in PALLAS for c in EXPORT_CASES[n]])
 def test_exported_cuda_lowering(name, case):
     """The real kernels lower for CUDA: the fused forward, and the backward's grouped
     GEMMs and permute/combine kernels, all of this backend (no fallback)."""
@@ -393,7 +410,7 @@ def test_mosaic_down_combine_budgets_its_tile_beside_the_pipeline():
     assert GPU_CALLS["mosaic_gpu"] in export_for_cuda(fn, *avals).mlir_module()
 
 
-@pytest.mark.parametrize("name", KERNELS)
+@pytest.mark.parametrize("name", PALLAS)
 def test_vmap_of_value_and_grad_lowers_for_cuda(name):
     """jax.vmap over a batch of problems (per-element routing and weights) runs the
     same kernels, forward and backward: every kernel batches."""
@@ -446,11 +463,7 @@ def test_moe_layer_matches_reference_backend(name, case, monkeypatch):
     cfg = MoEConfig(num_experts=4, d_model=24, d_ff=40, **LAYER_CASES[case])
     params = layer_params(cfg, seed=4)
     x = jnp.asarray(np.random.default_rng(5).standard_normal((19, 24)).astype(np.float32))
-    calls = []
-    real = api.BACKENDS[name]
-    monkeypatch.setitem(api.BACKENDS, name, types.SimpleNamespace(
-        check=real.check, backward_tiles=real.backward_tiles,
-        moe_mlp=lambda *a, **k: calls.append(1) or real.moe_mlp(*a, **k)))
+    calls = counting(name, monkeypatch)
 
     @functools.partial(jax.jit, static_argnums=2)
     def value_and_grads(x, params, implementation):

@@ -1,0 +1,234 @@
+"""Plain-XLA backend of the fused expert MLP (the CPU default): one loop over row tiles
+gathers each tile's tokens, runs its expert's gate/up GEMMs, the activation and the
+down GEMM, and scatter-adds the weighted rows into y; a backward loop of its own does
+the same for the gradients. No Pallas: compiled (never interpreted) on every platform.
+
+Letters: T tokens, D model dim, F expert hidden dim, E experts, K per token, M = T*K
+rows in expert order (row m holds assignment ``sort_order[m]``, token
+``sort_order[m] // K``), b = ``XlaTiles.block_m``, a = ``XlaTiles.align``.
+
+Why fused: the unfused layer (permute -> ``ragged_dot`` x 3 -> combine) writes and
+reads [M, D] and [M, F] arrays between its steps, each a pass over memory (and its
+first-touch page faults) on a CPU; here a tile's rows, pre-activations and outputs
+stay in cache between its GEMMs, and only the tile's [b, F] pre-activations are
+saved for the backward. On the project's 2-core Xeon VM a whole layer's forward +
+backward took 0.64-0.78x the unfused path's time (experiments/benchmarks/moe_layer.py).
+
+Schedule (``schedules``): each group's n rows padded to q = ceil(n / a) * a rows,
+the padded groups laid end to end (group g from ``pstart[g]``; at most
+P = M + E * (a - 1) padded rows); a group runs q // b tiles of b rows, then one tile
+of each size s in b/2, b/4, ..., a whose bit is set in q % b, so every tile lies in
+one group and only the last one of a group holds padding, which is masked (gathered
+as zeros, never scattered). One ``lax.fori_loop`` per tile size, trip counts traced:
+empty groups cost nothing.
+
+Forward, per tile of expert e (accumulation in float32, float64 for float64 x):
+  rows = x[tok];  gate, up = rows @ gate[e], rows @ up[e];  h = act(gate, up)
+  y[tok] += weights.flat[assignment] * (h.astype(x.dtype) @ down[e])
+with the pre-activations saved per padded row. The backward runs the same tiles and
+the same formulas as ``api._kernel_grads`` (its docstring), with the weight
+gradients accumulated per expert and dx scatter-added per token.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from aristax.pallas_kernels.moe_mlp import reference
+from aristax.pallas_kernels.permute.reference import accumulation_dtype
+from aristax.pallas_kernels.ragged_dot.xla import (
+    SMALL_PRODUCT, Tiles, XlaTiles, group_bounds, resolve_tiles, tile_schedule,
+)
+from aristax.pallas_kernels.tiling import on_auto_axes, row_spec, varying_like
+
+
+def check(x: jax.Array, weights: jax.Array, up_edf: jax.Array, *,
+          interpret: bool = False) -> None:
+    """Serves every call the front door validated (any floating dtype, any K)."""
+    del x, weights, up_edf, interpret
+
+
+def backward_tiles(tiles):
+    """The backward runs the forward's tiles."""
+    return tiles
+
+
+class Schedule(NamedTuple):
+    """Tiles of each size over the padded groups (``tiles[i]`` of ``sizes[i]`` rows;
+    ``Tiles.lo`` a padded position), and per group: ``shift`` (padded position minus
+    expert-order row) and ``end`` (padded position past its last real row)."""
+
+    tiles: list[Tiles]
+    sizes: list[int]
+    shift: jax.Array
+    end: jax.Array
+
+
+def padded_rows(num_rows: int, num_groups: int, tiles: XlaTiles) -> int:
+    """P: the static bound on the padded rows, M + E * (a - 1)."""
+    return num_rows + num_groups * (tiles.align - 1)
+
+
+def schedules(group_sizes: jax.Array, num_rows: int, tiles: XlaTiles) -> Schedule:
+    """The tile loops of group_sizes int32[E] over ``num_rows`` rows (module docstring)."""
+    b, a = tiles.block_m, tiles.align
+    starts, ends = group_bounds(group_sizes, num_rows)
+    n = ends - starts
+    q = (n + a - 1) // a * a
+    pstart = jnp.cumsum(q, dtype=jnp.int32) - q
+    bound = padded_rows(num_rows, group_sizes.shape[0], tiles)
+    full = q // b * b
+    loops, sizes = [tile_schedule(pstart, full, b, max(1, bound // b))], [b]
+    lo, rest, size = pstart + full, q - full, b // 2
+    while size >= a:
+        take = rest // size * size  # 0 or size: rest < 2 * size here
+        loops.append(tile_schedule(lo, take, size, group_sizes.shape[0]))
+        sizes.append(size)
+        lo, rest, size = lo + take, rest - take, size // 2
+    return Schedule(loops, sizes, pstart - starts, pstart + n)
+
+
+def _tiles_for(tiles, m: int, d: int, f: int, num_groups: int) -> XlaTiles:
+    """The caller's tiles, else ``XlaTiles.for_shape``'s, of one tile size (its block_m)
+    for products under ``SMALL_PRODUCT`` (one loop compiles in a fraction of the time
+    of four, and at that size their speeds do not matter)."""
+    if tiles is not None or m * d * f >= SMALL_PRODUCT:
+        return resolve_tiles(tiles, m, num_groups)
+    block = XlaTiles.for_shape(m, num_groups).block_m
+    return XlaTiles(block_m=block, align=block)
+
+
+def _rows_of_tile(sched: Schedule, loop: Tiles, t, size: int, sort_order, nv, top_k: int,
+                  num_tokens: int):
+    """(expert g, padded position lo, assignment ids int32[size], tokens int32[size])
+    of tile t; rows that are padding or at/past nv get token ``num_tokens`` and
+    assignment T*K (gathered as zeros, dropped when scattered)."""
+    g, lo = loop.group[t], loop.lo[t]
+    src = lo - sched.shift[g]
+    ids = lax.dynamic_slice_in_dim(sort_order, src, size)
+    j = jnp.arange(size, dtype=jnp.int32)
+    valid = (lo + j < sched.end[g]) & (src + j < nv)
+    return (g, lo, jnp.where(valid, ids, num_tokens * top_k),
+            jnp.where(valid, ids // top_k, num_tokens))
+
+
+def _mats(gate, up):
+    return (up,) if gate is None else (gate, up)
+
+
+def _hidden(pre, activation: str):
+    """h of the pre-activations (gate, up) or (up,)."""
+    return reference.hidden(*((None,) + pre if len(pre) == 1 else pre), activation)
+
+
+def _dot(a, b, contract: tuple[int, int], acc):
+    return lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())),
+                           preferred_element_type=acc)
+
+
+def moe_mlp(x, sort_order, weights, group_sizes, num_valid, gate_edf, up_edf, down_efd, *,
+            activation: str, tiles=None, interpret: bool = False) -> jax.Array:
+    """y [T, D] in the accumulation dtype (``forward`` without its residuals)."""
+    return forward(x, sort_order, weights, group_sizes, num_valid, gate_edf, up_edf,
+                   down_efd, activation=activation, tiles=tiles, interpret=interpret)[0]
+
+
+def forward(x, sort_order, weights, group_sizes, num_valid, gate_edf, up_edf, down_efd, *,
+            activation: str, tiles=None, interpret: bool = False):
+    """(y [T, D] accumulation dtype, pre-activations [P, n * F] saved per padded row).
+
+    Args as ``api.moe_mlp``: x [T, D]; sort_order int32[M]; weights [T, K];
+    group_sizes int32[E]; num_valid int32[]; gate_edf [E, D, F] or None; up_edf
+    [E, D, F]; down_efd [E, F, D] (all in x's dtype); tiles XlaTiles or None.
+    """
+    del interpret
+    (T, D), (E, _, F), M = x.shape, up_edf.shape, sort_order.shape[0]
+    tiles = _tiles_for(tiles, M, D, F, E)
+    n_pre = 1 if gate_edf is None else 2
+
+    def run(x, sort_order, weights, group_sizes, num_valid, gate, up, down):
+        acc = accumulation_dtype(x.dtype)
+        zeros = lambda shape: varying_like(jnp.zeros(shape, acc), x)  # noqa: E731
+        y, saved = zeros((T, D)), zeros((padded_rows(M, E, tiles), n_pre * F))
+        if 0 in (T, D, F, E, M):
+            return y, saved
+        sched = schedules(group_sizes, M, tiles)
+        order = jnp.pad(sort_order, (0, tiles.block_m))
+        w_flat = weights.reshape(-1).astype(acc)
+        for loop, size in zip(sched.tiles, sched.sizes):
+            def step(t, carry, loop=loop, size=size):
+                y, saved = carry
+                g, lo, ids, tok = _rows_of_tile(sched, loop, t, size, order, num_valid,
+                                                weights.shape[1], T)
+                rows = jnp.take(x, tok, axis=0, mode="fill", fill_value=0)
+                pre = tuple(_dot(rows, m[g], (1, 0), acc) for m in _mats(gate, up))
+                h = _hidden(pre, activation).astype(x.dtype)
+                w = jnp.take(w_flat, ids, mode="fill", fill_value=0)
+                y = y.at[tok].add(_dot(h, down[g], (1, 0), acc) * w[:, None], mode="drop")
+                saved = lax.dynamic_update_slice_in_dim(saved, jnp.concatenate(pre, 1), lo, 0)
+                return y, saved
+            y, saved = lax.fori_loop(0, loop.count, step, (y, saved))
+        return y, saved
+
+    return on_auto_axes(run, x, sort_order, weights, group_sizes, num_valid, gate_edf,
+                        up_edf, down_efd, out_sharding=lambda: (row_spec(x), P()))
+
+
+def backward(residuals, saved, dy, *, activation: str, tiles=None, interpret: bool = False):
+    """Gradients (dx, None, dweights, None, None, dgate, dup, ddown) for dy [T, D].
+
+    residuals: (x, sort_order, weights, group_sizes, num_valid, gate, up, down) as the
+    forward took them; saved: its pre-activations. dx in x's dtype, dweights in
+    weights', the weight gradients in the weights' dtypes (dgate None without a gate).
+    """
+    del interpret
+    x, sort_order, weights, group_sizes, nv, gate_edf, up_edf, down_efd = residuals
+    (T, D), (E, _, F), M, K = x.shape, up_edf.shape, sort_order.shape[0], weights.shape[1]
+    tiles = _tiles_for(tiles, M, D, F, E)
+    mats_in = _mats(gate_edf, up_edf)
+
+    def run(x, sort_order, weights, group_sizes, nv, saved, dy, down, *mats):
+        dtype, acc = x.dtype, accumulation_dtype(x.dtype)
+        zeros = lambda shape: varying_like(jnp.zeros(shape, acc), x, dy)  # noqa: E731
+        grads = (zeros((T, D)), zeros((T * K,)), zeros(down.shape),
+                 tuple(zeros(m.shape) for m in mats))
+        if 0 not in (T, D, F, E, M):
+            sched = schedules(group_sizes, M, tiles)
+            order = jnp.pad(sort_order, (0, tiles.block_m))
+            w_flat = weights.reshape(-1).astype(acc)
+            dy = dy.astype(acc)
+            for loop, size in zip(sched.tiles, sched.sizes):
+                def step(t, grads, loop=loop, size=size):
+                    dx, dw, ddown, dmats = grads
+                    g, lo, ids, tok = _rows_of_tile(sched, loop, t, size, order, nv, K, T)
+                    rows = jnp.take(x, tok, axis=0, mode="fill", fill_value=0)
+                    pre = lax.dynamic_slice_in_dim(saved, lo, size)
+                    pre = tuple(pre[:, i * F:(i + 1) * F] for i in range(len(mats)))
+                    h, act_vjp = jax.vjp(lambda *p: _hidden(p, activation), *pre)
+                    h = h.astype(dtype)
+                    dy_rows = jnp.take(dy, tok, axis=0, mode="fill", fill_value=0)
+                    w = jnp.take(w_flat, ids, mode="fill", fill_value=0)[:, None]
+                    gh = _dot(dy_rows.astype(dtype), down[g], (1, 1), acc)  # [size, F]
+                    dw = dw.at[ids].set(jnp.sum(h.astype(acc) * gh, axis=1), mode="drop")
+                    ddown = ddown.at[g].add(_dot(h, (w * dy_rows).astype(dtype), (0, 0), acc))
+                    d_pre = [d.astype(dtype) for d in act_vjp((w * gh).astype(dtype).astype(acc))]
+                    drows = sum(_dot(d, m[g], (1, 1), acc) for d, m in zip(d_pre, mats))
+                    dx = dx.at[tok].add(drows, mode="drop")
+                    dmats = tuple(dm.at[g].add(_dot(rows, d, (0, 0), acc))
+                                  for dm, d in zip(dmats, d_pre))
+                    return dx, dw, ddown, dmats
+                grads = lax.fori_loop(0, loop.count, step, grads)
+        dx, dw, ddown, dmats = grads
+        return (dx.astype(dtype), dw.reshape(weights.shape).astype(weights.dtype),
+                ddown.astype(down.dtype), tuple(d.astype(m.dtype) for d, m in zip(dmats, mats)))
+
+    dx, dw, ddown, dmats = on_auto_axes(
+        run, x, sort_order, weights, group_sizes, nv, saved, dy, down_efd, *mats_in,
+        out_sharding=lambda: (row_spec(x), row_spec(weights), P(), tuple(P() for _ in mats_in)))
+    dgate, dup = (None, dmats[0]) if gate_edf is None else dmats
+    return dx, None, dw, None, None, dgate, dup, ddown

@@ -1,0 +1,230 @@
+"""The plain-XLA fused expert MLP ("xla", the MoE layer's CPU default) beyond the
+tests every moe_mlp backend runs (test_moe_mlp.py): its tile schedule against brute
+force, forward and gradients against a NumPy loop over the routed rows on the hard
+routings and in float64, jax.vmap, and the layer's default choosing it (and falling
+back where it does not compute an option)."""
+
+from __future__ import annotations
+
+import importlib
+import types
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from aristax import MoEConfig, MoEParams, moe
+from aristax.pallas_kernels.moe_mlp import api, moe_mlp, xla
+from aristax.pallas_kernels.ragged_dot.xla import XlaTiles
+
+param_shapes = importlib.import_module("aristax.moe").param_shapes  # aristax.moe: the function
+UNROUTED = 10_000  # expert key of an unrouted slot: sorts after every expert
+
+
+@pytest.mark.parametrize("tiles", [XlaTiles(32, 8), XlaTiles(64, 8), XlaTiles(16, 16)])
+@pytest.mark.parametrize("seed", range(4))
+def test_schedule_covers_every_padded_row_once(tiles, seed):
+    """Every row of each group (padded to a multiple of align) is covered by exactly
+    one tile of that group, tiles are of the loop's size and lie in their group, no
+    loop needs more entries than it has, and the real rows map back to their own."""
+    rng = np.random.default_rng(seed)
+    E = int(rng.integers(1, 9))
+    sizes = rng.integers(0, 80, E) * (rng.random(E) < 0.8)  # some empty groups
+    m = int(sizes.sum() + rng.integers(-20, 20))  # sums below M, and past it (clipped)
+    m = max(m, 1)
+    sched = xla.schedules(jnp.asarray(sizes, jnp.int32), m, tiles)
+    clipped = np.diff(np.minimum(np.concatenate([[0], np.cumsum(sizes)]), m))
+    padded = -(-clipped // tiles.align) * tiles.align
+    pstart = np.cumsum(padded) - padded
+    owner = np.full(int(padded.sum()), -1)
+    assert padded.sum() <= xla.padded_rows(m, E, tiles)
+    for loop, size in zip(sched.tiles, sched.sizes):
+        count = int(loop.count)
+        assert count <= loop.group.shape[0]  # the static number of entries holds them
+        assert size in [tiles.block_m >> i for i in range(8)] and size >= tiles.align
+        for t in range(count):
+            g, lo = int(loop.group[t]), int(loop.lo[t])
+            assert pstart[g] <= lo and lo + size <= pstart[g] + padded[g], (g, lo, size)
+            assert (owner[lo:lo + size] == -1).all()
+            owner[lo:lo + size] = g
+    assert (owner == np.repeat(np.arange(E), padded)).all()
+    shift, end = np.asarray(sched.shift), np.asarray(sched.end)
+    np.testing.assert_array_equal(end, pstart + clipped)
+    np.testing.assert_array_equal(pstart - shift, np.cumsum(clipped) - clipped)
+
+
+def layout(keys: np.ndarray, num_experts: int):
+    """(sort_order, group_sizes) of expert keys [T, K], unrouted slots last."""
+    flat = keys.reshape(-1)
+    order = np.argsort(flat, kind="stable").astype(np.int32)
+    sizes = np.bincount(flat[flat != UNROUTED], minlength=num_experts).astype(np.int32)
+    return order, sizes
+
+
+def routings(T: int, E: int, K: int, rng) -> dict[str, tuple]:
+    """Named routings (sort_order, group_sizes, num_valid)."""
+    topk = np.stack([rng.permutation(E)[:K] for _ in range(T)])
+    cases = {"random": (*layout(topk, E), None)}
+    order, sizes = layout(topk, E)
+    cases["num_valid_below_sum"] = (order, sizes, int(sizes.sum()) - 7)
+    skew = np.stack([np.r_[0, 1 + rng.permutation(E - 1)[:K - 1]] for _ in range(T)])
+    cases["one_expert_in_every_token"] = (*layout(skew, E), None)
+    if K < E:
+        cases["empty_experts"] = (*layout(np.tile(np.arange(K), (T, 1)), E), None)
+        one = np.full((T, K), UNROUTED)
+        one[:, 0] = E - 1
+        cases["one_expert_takes_all"] = (*layout(one, E), None)
+    cases["nothing_routed"] = (*layout(np.full((T, K), UNROUTED), E), None)
+    return cases
+
+
+def numpy_swiglu(x, order, weights, sizes, nv, gate, up, down, dy):
+    """y and the gradients of <y, dy> by a loop over the routed rows (float64)."""
+    x, weights, gate, up, down, dy = (np.asarray(a, np.float64)
+                                      for a in (x, weights, gate, up, down, dy))
+    T, K = weights.shape
+    nv = int(sizes.sum()) if nv is None else nv
+    expert = np.repeat(np.arange(len(sizes)), sizes)
+    y, dx, dw = np.zeros_like(x), np.zeros_like(x), np.zeros_like(weights)
+    dgate, dup, ddown = np.zeros_like(gate), np.zeros_like(up), np.zeros_like(down)
+    for m in range(nv):
+        s, e = int(order[m]), expert[m]
+        t, w = s // K, weights.flat[s]
+        a = x[t]
+        g, u = a @ gate[e], a @ up[e]
+        sig = 1 / (1 + np.exp(-g))
+        h = g * sig * u
+        o = h @ down[e]
+        y[t] += w * o
+        dw.flat[s] = o @ dy[t]
+        do = w * dy[t]
+        ddown[e] += np.outer(h, do)
+        dh = down[e] @ do
+        du, dg = dh * g * sig, dh * u * sig * (1 + g * (1 - sig))
+        dx[t] += gate[e] @ dg + up[e] @ du
+        dgate[e] += np.outer(a, dg)
+        dup[e] += np.outer(a, du)
+    return y, (dx, dw, dgate, dup, ddown)
+
+
+def value_and_grads(x, order, weights, sizes, nv, gate, up, down, dy, tiles):
+    def op(x, weights, gate, up, down):
+        return moe_mlp(x, order, weights, sizes, gate, up, down, activation="swiglu",
+                       num_valid=nv, implementation="xla", tiles=tiles)
+    y, pullback = jax.vjp(op, x, weights, gate, up, down)
+    return y, pullback(dy)
+
+
+@pytest.mark.parametrize("tiles", [None, XlaTiles(32, 8)], ids=["default", "tiles32-16-8"])
+@pytest.mark.parametrize("shape", [(53, 24, 40, 6, 2), (29, 16, 24, 4, 4)],
+                         ids=["odd", "K=E"])
+def test_equals_numpy_on_hard_routings(shape, tiles):
+    T, D, F, E, K = shape
+    rng = np.random.default_rng(T)
+    x = rng.standard_normal((T, D)).astype(np.float32)
+    weights = rng.uniform(0.1, 1.0, (T, K)).astype(np.float32)
+    gate, up = (rng.standard_normal((E, D, F)).astype(np.float32) * 0.3 for _ in range(2))
+    down = rng.standard_normal((E, F, D)).astype(np.float32) * 0.3
+    dy = rng.standard_normal((T, D)).astype(np.float32)
+    fn = jax.jit(value_and_grads, static_argnums=9)
+    for case, (order, sizes, nv) in routings(T, E, K, rng).items():
+        got = fn(x, order, weights, sizes, nv, gate, up, down, dy, tiles)
+        want = numpy_swiglu(x, order, weights, sizes, nv, gate, up, down, dy)
+        for i, (a, b) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want))):
+            scale = max(1.0, float(np.abs(b).max(initial=0.0)))
+            np.testing.assert_allclose(np.asarray(a), b, rtol=1e-4, atol=1e-5 * scale,
+                                       err_msg=f"{case}: leaf {i}")
+
+
+def test_float64_values_and_gradients():
+    T, D, F, E, K = 21, 8, 12, 3, 2
+    rng = np.random.default_rng(7)
+    with jax.enable_x64(True):
+        x = rng.standard_normal((T, D))
+        weights = rng.uniform(0.1, 1.0, (T, K))
+        gate, up, down = (rng.standard_normal(s) for s in ((E, D, F), (E, D, F), (E, F, D)))
+        dy = rng.standard_normal((T, D))
+        order, sizes, _ = routings(T, E, K, rng)["random"]
+        got = value_and_grads(*(jnp.asarray(a) for a in (x, order, weights, sizes)), None,
+                              *(jnp.asarray(a) for a in (gate, up, down, dy)), None)
+        assert all(leaf.dtype == jnp.float64 for leaf in jax.tree.leaves(got))
+        want = numpy_swiglu(x, order, weights, sizes, None, gate, up, down, dy)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(a), b, rtol=1e-10, atol=1e-10)
+
+
+def test_vmap_of_value_and_grad_equals_each_problem():
+    """Per-problem routings under jax.vmap (batched trip counts) give each problem's
+    own result."""
+    T, D, F, E, K, B = 17, 8, 12, 4, 2, 3
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((B, T, D)), jnp.float32)
+    weights = jnp.asarray(rng.uniform(0.1, 1, (B, T, K)), jnp.float32)
+    gate, up = (jnp.asarray(rng.standard_normal((E, D, F)) * 0.3, jnp.float32) for _ in "gu")
+    down = jnp.asarray(rng.standard_normal((E, F, D)) * 0.3, jnp.float32)
+    lay = [layout(np.stack([rng.permutation(E)[:K] for _ in range(T)]), E) for _ in range(B)]
+    order, sizes = (jnp.asarray(np.stack(a)) for a in zip(*lay))
+
+    def loss(x, weights, gate, up, down, order, sizes):
+        y = moe_mlp(x, order, weights, sizes, gate, up, down, activation="swiglu",
+                    implementation="xla")
+        return jnp.sum(y * y)
+    fn = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))
+    batched = jax.jit(jax.vmap(fn, in_axes=(0, 0, None, None, None, 0, 0)))(
+        x, weights, gate, up, down, order, sizes)
+    for b in range(B):
+        one = jax.jit(fn)(x[b], weights[b], gate, up, down, order[b], sizes[b])
+        value, (dx, dw, *dmats) = one
+        chex.assert_trees_all_close((batched[0][b], batched[1][0][b], batched[1][1][b]),
+                                    (value, dx, dw), rtol=1e-5, atol=1e-5)
+        del dmats  # the weight gradients of the batch are per problem (vmapped in_axes None)
+
+
+def counting(monkeypatch) -> list:
+    """api.BACKENDS["xla"] with its forward counted."""
+    calls = []
+    fake = types.SimpleNamespace(**{k: getattr(xla, k) for k in dir(xla)
+                                    if not k.startswith("__")})
+    fake.forward = lambda *a, **k: calls.append(1) or xla.forward(*a, **k)
+    monkeypatch.setitem(api.BACKENDS, "xla", fake)
+    return calls
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU's layer default")
+@pytest.mark.parametrize("options, fused", [
+    (dict(), True),
+    (dict(activation="geglu", num_shared_experts=1), True),
+    (dict(activation="relu"), False),             # an activation the op does not take
+    (dict(expert_bias=True), False),              # expert biases
+    (dict(weight_side="input"), False),           # Llama 4's input-side weights
+    (dict(capacity_factor=0.75), False),          # not dropless
+])
+def test_layer_default_runs_the_fused_loop_where_it_serves(options, fused, monkeypatch):
+    """aristax.moe with implementation=None on the CPU runs the "xla" fused loop (or
+    the unfused path for what it does not compute) and equals implementation=
+    "reference": output, aux and gradients of x and every parameter."""
+    cfg = MoEConfig(num_experts=4, top_k=2, d_model=16, d_ff=24, **options)
+    rng = np.random.default_rng(11)
+    params = MoEParams(**{name: None if shape is None else jnp.asarray(
+        rng.standard_normal(shape) * 0.3, jnp.float32)
+        for name, shape in param_shapes(cfg).items()})
+    x = jnp.asarray(rng.standard_normal((23, 16)), jnp.float32)
+    calls = counting(monkeypatch)
+
+    def value_and_grads(implementation):
+        config = cfg.replace(implementation=implementation)
+
+        def loss(x, params):
+            y, aux = moe(x, params, config)
+            return jnp.sum(jnp.square(y)) + aux["loss"], (y, aux)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, params)
+
+    got = value_and_grads(None)
+    assert calls == ([1] if fused else [])
+    want = value_and_grads("reference")
+    for leaf, ref in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        scale = max(1.0, float(jnp.max(jnp.abs(ref))))
+        chex.assert_trees_all_close(leaf, ref, atol=1e-5 * scale, rtol=1e-5)
+
