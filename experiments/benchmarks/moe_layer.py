@@ -2,10 +2,14 @@
 
 For each shape (T tokens, D model dim, F expert hidden dim, E experts, K per token)
 and routing load, float32, in one run, interleaved rounds (each contender once per
-round; medians of its times and of its per-round ratios):
+round, timed on its second of two back-to-back calls; medians of its times and of
+its per-round ratios):
 
 * ``aristax.MoE`` (the nnx layer, Mixtral routing: softmax top-K renormalised),
-  forward + backward under ``nnx.jit`` (the loss: sum of y plus the aux loss);
+  forward + backward under ``nnx.jit`` (the loss: sum of y plus the aux loss), as a
+  user gets it (on the CPU: the fused "xla" moe_mlp loop);
+* ``aristax.MoE unfused``: the same layer with the fused default off (permute, three
+  "xla" grouped GEMMs, combine: the layer before the fused loop), for the before/after;
 * the ceiling: a dense SwiGLU MLP of hidden K*F on all T tokens (the same FLOPs), JAX;
 * the same at the experts' GEMM shapes: hidden F on T*K rows (each token K times), no
   routing (what the grouped GEMMs' narrower products cost on their own);
@@ -41,6 +45,7 @@ import numpy as np
 from flax import nnx
 
 from aristax import MoE, MoEConfig
+from aristax.pallas_kernels.moe_mlp import api as moe_mlp_api
 
 SHAPES = "4096,512,1024,8,2;4096,512,256,32,4;4096,512,128,64,8"
 
@@ -67,8 +72,9 @@ def weights(T, D, F, E, load: str, seed: int = 0) -> dict[str, np.ndarray]:
     return {k: v.astype(np.float32) for k, v in w.items()}
 
 
-def aristax_step(w, K):
-    """nnx.jit(value_and_grad) of the aristax.MoE layer holding ``w``."""
+def aristax_step(w, K, fused: bool = True):
+    """nnx.jit(value_and_grad) of the aristax.MoE layer holding ``w``. ``fused=False``:
+    compiled here with the layer's fused default off (``moe_mlp.api.LAYER_DEFAULT``)."""
     (D, E), F = w["router"].shape, w["gate"].shape[2]
     layer = MoE(MoEConfig(num_experts=E, top_k=K, d_model=D, d_ff=F, normalize_weights=True),
                 rngs=nnx.Rngs(0))
@@ -76,14 +82,27 @@ def aristax_step(w, K):
     for name, key in (("gate_edf", "gate"), ("up_edf", "up"), ("down_efd", "down")):
         getattr(layer.experts, name).set_value(jnp.asarray(w[key]))
 
-    @nnx.jit
     def step(layer, x):
         def loss(layer, x):
             y, aux = layer(x)
             return jnp.sum(y) + aux["loss"]
         return nnx.value_and_grad(loss, argnums=(0, 1))(layer, x)
     x = jnp.asarray(w["x"])
-    return lambda: step(layer, x)
+    if fused:
+        jitted = nnx.jit(step)
+        return lambda: jitted(layer, x)
+    # Compiled ahead of time with the default off, then every trace cache cleared: the
+    # layer's inner jit would otherwise hand this trace to the fused step's.
+    graphdef, state = nnx.split(layer)
+    default = dict(moe_mlp_api.LAYER_DEFAULT)
+    moe_mlp_api.LAYER_DEFAULT.clear()
+    try:
+        compiled = jax.jit(lambda state, x: step(nnx.merge(graphdef, state), x)).lower(
+            state, x).compile()
+    finally:
+        moe_mlp_api.LAYER_DEFAULT.update(default)
+        jax.clear_caches()
+    return lambda: compiled(state, x)
 
 
 def dense_step(w, K, expert_shape: bool = False):
@@ -172,7 +191,9 @@ def hf_step(w, K, implementation: str):
 
 def bench(T, D, F, E, K, load, rounds, with_hf) -> dict:
     w = weights(T, D, F, E, load)
-    steps = {"aristax.MoE": aristax_step(w, K), "dense_mlp (ceiling)": dense_step(w, K),
+    steps = {"aristax.MoE": aristax_step(w, K),
+             "aristax.MoE unfused": aristax_step(w, K, fused=False),
+             "dense_mlp (ceiling)": dense_step(w, K),
              "dense_mlp_expert_shape": dense_step(w, K, expert_shape=True),
              "gshard_einsum": gshard_step(w, K)}
     if with_hf:
@@ -185,6 +206,10 @@ def bench(T, D, F, E, K, load, rounds, with_hf) -> dict:
     times = {name: [] for name in steps}
     for _ in range(rounds):
         for name, step in steps.items():
+            # One untimed call first: the call after another contender's pays for
+            # the memory that one gave back (on this project's VM, 150+ ms of system
+            # time after GShard's GBs); a training loop runs its step back to back.
+            jax.block_until_ready(step())
             t0 = time.perf_counter()
             jax.block_until_ready(step())
             times[name].append(time.perf_counter() - t0)

@@ -126,6 +126,11 @@ def _hidden(pre, activation: str):
     return reference.hidden(*((None,) + pre if len(pre) == 1 else pre), activation)
 
 
+def _at(w, g) -> jax.Array:
+    """w[g] for a traced g (w may be a NumPy array: the front door keeps its type)."""
+    return lax.dynamic_index_in_dim(w, g, keepdims=False)
+
+
 def _dot(a, b, contract: tuple[int, int], acc):
     return lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())),
                            preferred_element_type=acc)
@@ -166,10 +171,10 @@ def forward(x, sort_order, weights, group_sizes, num_valid, gate_edf, up_edf, do
                 g, lo, ids, tok = _rows_of_tile(sched, loop, t, size, order, num_valid,
                                                 weights.shape[1], T)
                 rows = jnp.take(x, tok, axis=0, mode="fill", fill_value=0)
-                pre = tuple(_dot(rows, m[g], (1, 0), acc) for m in _mats(gate, up))
+                pre = tuple(_dot(rows, _at(m, g), (1, 0), acc) for m in _mats(gate, up))
                 h = _hidden(pre, activation).astype(x.dtype)
                 w = jnp.take(w_flat, ids, mode="fill", fill_value=0)
-                y = y.at[tok].add(_dot(h, down[g], (1, 0), acc) * w[:, None], mode="drop")
+                y = y.at[tok].add(_dot(h, _at(down, g), (1, 0), acc) * w[:, None], mode="drop")
                 saved = lax.dynamic_update_slice_in_dim(saved, jnp.concatenate(pre, 1), lo, 0)
                 return y, saved
             y, saved = lax.fori_loop(0, loop.count, step, (y, saved))
@@ -213,11 +218,11 @@ def backward(residuals, saved, dy, *, activation: str, tiles=None, interpret: bo
                     h = h.astype(dtype)
                     dy_rows = jnp.take(dy, tok, axis=0, mode="fill", fill_value=0)
                     w = jnp.take(w_flat, ids, mode="fill", fill_value=0)[:, None]
-                    gh = _dot(dy_rows.astype(dtype), down[g], (1, 1), acc)  # [size, F]
+                    gh = _dot(dy_rows.astype(dtype), _at(down, g), (1, 1), acc)  # [size, F]
                     dw = dw.at[ids].set(jnp.sum(h.astype(acc) * gh, axis=1), mode="drop")
                     ddown = ddown.at[g].add(_dot(h, (w * dy_rows).astype(dtype), (0, 0), acc))
                     d_pre = [d.astype(dtype) for d in act_vjp((w * gh).astype(dtype).astype(acc))]
-                    drows = sum(_dot(d, m[g], (1, 1), acc) for d, m in zip(d_pre, mats))
+                    drows = sum(_dot(d, _at(m, g), (1, 1), acc) for d, m in zip(d_pre, mats))
                     dx = dx.at[tok].add(drows, mode="drop")
                     dmats = tuple(dm.at[g].add(_dot(rows, d, (0, 0), acc))
                                   for dm, d in zip(dmats, d_pre))

@@ -228,3 +228,19 @@ def test_layer_default_runs_the_fused_loop_where_it_serves(options, fused, monke
         scale = max(1.0, float(jnp.max(jnp.abs(ref))))
         chex.assert_trees_all_close(leaf, ref, atol=1e-5 * scale, rtol=1e-5)
 
+
+
+def test_numpy_operands_run_eagerly():
+    """NumPy weights (as a user's loaded checkpoint, or moe() with np.asarray params)
+    reach the loop as NumPy arrays: indexed by a traced expert they must not be
+    converted (this raised TracerArrayConversionError)."""
+    T, D, F, E, K = 9, 8, 12, 3, 2
+    rng = np.random.default_rng(5)
+    x, weights = rng.standard_normal((T, D)), rng.uniform(0.1, 1, (T, K))
+    gate, up, down = (rng.standard_normal(s) for s in ((E, D, F), (E, D, F), (E, F, D)))
+    x, weights, gate, up, down = (a.astype(np.float32) for a in (x, weights, gate, up, down))
+    order, sizes, _ = routings(T, E, K, rng)["random"]
+    y = moe_mlp(x, order, weights, sizes, gate, up, down, activation="swiglu",
+                implementation="xla")
+    want, _ = numpy_swiglu(x, order, weights, sizes, None, gate, up, down, np.zeros_like(x))
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5)
