@@ -91,11 +91,12 @@ def aristax_step(w, K, fused: bool = True):
     if fused:
         jitted = nnx.jit(step)
         return lambda: jitted(layer, x)
-    # Compiled ahead of time with the default off, then every trace cache cleared: the
-    # layer's inner jit would otherwise hand this trace to the fused step's.
+    # Compiled ahead of time with the default off, every trace cache cleared before and
+    # after: the layer's inner jit would otherwise reuse another step's trace.
     graphdef, state = nnx.split(layer)
     default = dict(moe_mlp_api.LAYER_DEFAULT)
     moe_mlp_api.LAYER_DEFAULT.clear()
+    jax.clear_caches()
     try:
         compiled = jax.jit(lambda state, x: step(nnx.merge(graphdef, state), x)).lower(
             state, x).compile()
