@@ -241,12 +241,14 @@ class MoEConfig:
       param_dtype: dtype of the parameters.
       implementation: backend name or ordered list of names for
         ``aristax.pallas_kernels`` ops, each falling back to the reference where none
-        serves. None: the plain router, dispatch and combine, and the grouped GEMMs on
-        ``ragged_dot``'s platform default (Mosaic GPU, Triton, then the reference on a
-        GPU); the fused ``route`` and ``moe_mlp`` run only when a kernel is named. On an
-        H200 at the Mixtral shape (T 4096, bf16) this was the fastest layer, forward and
-        backward in 22 ms, against 37 ms with "triton" named and 70 ms with
-        "mosaic_gpu" (``experiments/benchmarks/gpu_check.py``).
+        serves. None: the plain router; on the CPU the dropless experts run the fused
+        "xla" ``moe_mlp`` loop (0.60-0.76x the unfused layer's time,
+        ``experiments/benchmarks/moe_layer.py``), on a GPU the plain dispatch and
+        combine and the grouped GEMMs on ``ragged_dot``'s platform default (Mosaic GPU,
+        Triton, then the reference); the fused ``route`` runs only when a kernel is
+        named. On an H200 at the Mixtral shape (T 4096, bf16) the GPU default was the
+        fastest layer, forward and backward in 22 ms, against 37 ms with "triton" named
+        and 70 ms with "mosaic_gpu" (``experiments/benchmarks/gpu_check.py``).
       debug_checks: the ``MoE`` layer raises (after the call, outside ``jit``) when some
         router logits are not finite. Otherwise, and always in the functional ``moe``,
         ``chunked_moe`` and ``expert_parallel_moe``, such tokens are routed nowhere and

@@ -380,8 +380,8 @@ def routed_experts(
     ``implementation=None`` a dropless layout is first aligned to the default grouped
     GEMM's tiles (``dispatch.align_groups``); when ``config.implementation`` names
     kernels, permute and combine run on the ``pallas_kernels`` backends it names that
-    serve them (the reference where none does). xc: [T, D] in the compute dtype; weights: [T, K]
-    combine weights.
+    serve them (the reference where none does). xc: [T, D] in the compute dtype;
+    weights: [T, K] combine weights.
     """
     input_side = config.weight_side == "input"
     combine_weights = jnp.ones_like(weights) if input_side else weights
