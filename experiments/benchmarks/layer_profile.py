@@ -1,0 +1,159 @@
+"""Where one MoE layer's forward + backward spends its time, op by op (XLA:CPU).
+
+For each shape (the issue's three by default, float32, T 4096, uniform routing), the
+``aristax.MoE`` step of ``moe_layer.py`` (and with ``--unfused`` the layer with its
+fused default off) runs under ``jax.profiler.trace``; each executed XLA thunk of the
+trace is joined to its instruction in the optimized HLO (dumped by this script) and
+put in one class by its name and its JAX op:
+
+* ``gemm``: dots (Eigen ``dot`` or YNNPACK ``ynn_fusion`` of a dot_general);
+* ``zero_fill``: broadcasts of a constant (accumulators and loop buffers set to 0);
+* ``gather_scatter``: gathers, scatters and scatter-adds (token rows in, results out);
+* ``copies``: dynamic slices and updates, copies, concatenates, transposes;
+* ``routing``: sorts, top-k and other custom calls;
+* ``elementwise``: every other fusion (activation and its gradient, router softmax,
+  masks, the aux losses).
+
+Thunk times are summed over the trace's executed thunks (a loop body's once per
+trip), as a share of their sum: the time each class holds a thread, not wall time
+(the two cores run some thunks side by side). The wall-time median of separate calls
+is reported beside it.
+
+Usage: python experiments/benchmarks/layer_profile.py [--shapes T,D,F,E,K;...]
+       [--runs 3] [--unfused] [--out OUT.json]
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+DUMP = tempfile.mkdtemp(prefix="layer_profile_hlo_")
+# Before JAX starts: dump the optimized HLO whose instruction names the trace reports.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           f" --xla_dump_to={DUMP} --xla_dump_hlo_as_text").strip()
+
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import glob  # noqa: E402
+import gzip  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import shutil  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import moe_layer  # noqa: E402
+
+SKIP = ("$", "PjitFunction", "ThunkExecutor", "CommonPjRt", "ExecuteReplicated",
+        "SlinkyThreadPool", "cond", "while", "call")  # wrappers: their children count
+CLASSES = ("gemm", "zero_fill", "gather_scatter", "copies", "routing", "elementwise")
+
+
+def hlo_ops(files: set[str]) -> dict[str, tuple[str, str]]:
+    """{instruction name: (opcode, JAX op_name)} of the largest optimized module among
+    the dumped ``files`` (the step's)."""
+    modules = [f for f in files if f.endswith(".cpu_after_optimizations.txt")]
+    text = Path(max(modules, key=os.path.getsize)).read_text()
+    ops = {}
+    for m in re.finditer(r'^\s*(?:ROOT )?%?([\w.\-]+) = \S+ (\w[\w-]*)\(.*?'
+                         r'metadata=\{op_name="([^"]+)"', text, re.M):
+        ops[m.group(1)] = (m.group(2), m.group(3))
+    return ops
+
+
+def classify(name: str, op: tuple[str, str]) -> str:
+    """One of CLASSES for thunk ``name`` and its (opcode, op_name)."""
+    opcode, op_name = op
+    last = op_name.rsplit("/", 1)[-1]
+    if (name.startswith(("dot", "ynn_fusion")) or opcode == "dot") and last == "dot_general":
+        return "gemm"
+    if name.startswith("wrapped_broadcast") or last == "broadcast_in_dim" and "fusion" not in name:
+        return "zero_fill"
+    if re.search(r"gather|scatter", name) or last in ("gather", "scatter-add", "scatter"):
+        return "gather_scatter"
+    if re.search(r"dynamic[-_]slice|dynamic[-_]update|copy|concatenate|transpose", name):
+        return "copies"
+    if name.startswith(("sort", "custom-call")) or last in ("sort", "top_k"):
+        return "routing"
+    return "elementwise"
+
+
+def profile(step, runs: int, trace_dir: str) -> list[dict]:
+    """The trace's thunk events of ``runs`` calls of ``step`` (compiled before)."""
+    with jax.profiler.trace(trace_dir):
+        for _ in range(runs):
+            jax.block_until_ready(step())
+    path = glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)[0]
+    events = json.load(gzip.open(path))["traceEvents"]
+    return [e for e in events if e.get("ph") == "X" and not e["name"].startswith(SKIP)]
+
+
+def wall_ms(step, calls: int = 5) -> float:
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        jax.block_until_ready(step())
+        times.append(time.perf_counter() - t0)
+    return 1e3 * float(np.median(times))
+
+
+def row(label: str, make_step, runs: int) -> dict:
+    """The profile of the step ``make_step()`` returns (its HLO: the files it dumps)."""
+    before = set(glob.glob(f"{DUMP}/*"))
+    step = make_step()
+    jax.block_until_ready(step())  # compiled by now (here, or ahead of time)
+    dumped = set(glob.glob(f"{DUMP}/*")) - before
+    wall = wall_ms(step)
+    trace_dir = tempfile.mkdtemp(prefix="layer_profile_trace_")
+    try:
+        events = profile(step, runs, trace_dir)
+    finally:
+        shutil.rmtree(trace_dir, ignore_errors=True)
+    ops = hlo_ops(dumped)
+    by_class, by_op = collections.Counter(), collections.Counter()
+    for e in events:
+        op = ops.get(e["name"], ("", ""))
+        by_class[classify(e["name"], op)] += e["dur"] / runs / 1e3
+        by_op[(e["name"], op[1])] += e["dur"] / runs / 1e3
+    total = sum(by_class.values())
+    out = {"step": label, "wall_ms": wall, "thunk_ms": total,
+           "class_ms": {c: by_class[c] for c in CLASSES},
+           "class_share": {c: by_class[c] / total for c in CLASSES},
+           "top_ops": [{"thunk": n, "op": o, "ms": ms} for (n, o), ms in by_op.most_common(12)]}
+    print(f"  {label:8s} wall {wall:6.1f} ms  thunks {total:6.1f} ms  " + "  ".join(
+        f"{c} {100 * s:4.1f}%" for c, s in out["class_share"].items()))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=moe_layer.SHAPES, help="T,D,F,E,K;...")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--unfused", action="store_true", help="profile the unfused layer too")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    out = Path(args.out or Path(__file__).resolve().parent / "results"
+               / f"layer_profile_{jax.default_backend()}.json")
+    result = {"machine": moe_layer.machine(), "dtype": "float32", "rows": []}
+    for shape in args.shapes.split(";"):
+        T, D, F, E, K = (int(v) for v in shape.split(","))
+        print(f"T{T} D{D} F{F} E{E} K{K} uniform")
+        w = moe_layer.weights(T, D, F, E, "uniform")
+        steps = [("fused", lambda: moe_layer.aristax_step(w, K))]
+        if args.unfused:
+            steps.append(("unfused", lambda: moe_layer.aristax_step(w, K, fused=False)))
+        result["rows"].append({"shape": dict(T=T, D=D, F=F, E=E, K=K), "steps": [
+            row(label, make, args.runs) for label, make in steps]})
+        out.write_text(json.dumps(result, indent=1))
+    shutil.rmtree(DUMP, ignore_errors=True)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
