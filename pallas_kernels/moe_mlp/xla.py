@@ -14,20 +14,28 @@ stay in cache between its GEMMs, and only the tile's [b, F] pre-activations are
 saved for the backward. On the project's 2-core Xeon VM a whole layer's forward +
 backward took 0.60-0.76x the unfused path's time (experiments/benchmarks/moe_layer.py).
 
-Schedule (``schedules``): each group's n rows padded to q = ceil(n / a) * a rows,
-the padded groups laid end to end (group g from ``pstart[g]``; at most
-P = M + E * (a - 1) padded rows); a group runs q // b tiles of b rows, then one tile
-of each size s in b/2, b/4, ..., a whose bit is set in q % b, so every tile lies in
-one group and only the last one of a group holds padding, which is masked (gathered
-as zeros, never scattered). One ``lax.fori_loop`` per tile size, trip counts traced:
-empty groups cost nothing.
+Schedule (``schedules``, ``group_tiles``): each group's n rows padded to
+q = ceil(n / a) * a rows, the padded groups laid end to end (group g from
+``pstart[g]``; at most P = M + E * (a - 1) padded rows); a group runs q // b tiles of b
+rows, then one tile of each size s in b/2, b/4, ..., a whose bit is set in q % b, so
+every tile lies in one group and only the last one of a group holds padding, which is
+masked (gathered as zeros, never scattered). The loops are group-major: an outer
+``lax.fori_loop`` over the groups that have rows (empty ones cost nothing), and in it
+one loop per tile size, trip counts traced. So each expert's weights are sliced once
+(XLA:CPU copies a dynamic slice before a dot) and, in the backward, its weight
+gradients are accumulated in the loop and written once.
 
 Forward, per tile of expert e (accumulation in float32, float64 for float64 x):
   rows = x[tok];  gate, up = rows @ gate[e], rows @ up[e];  h = act(gate, up)
   y[tok] += weights.flat[assignment] * (h.astype(x.dtype) @ down[e])
-with the pre-activations saved per padded row. The backward runs the same tiles and
-the same formulas as ``api._kernel_grads`` (its docstring), with the weight
-gradients accumulated per expert and dx scatter-added per token.
+with the pre-activations saved per padded row (one [P, F] array each for gate and up:
+no concatenation per tile). The backward runs the same tiles and the same formulas as
+``api._kernel_grads`` (its docstring), with dx scatter-added per token.
+
+Measured against the tile-major loops before (one loop per tile size over all groups,
+one [P, 2F] array saved): a layer's forward + backward on the 2-core Xeon VM took
+0.90-0.94x the time at E 8 (F 1024, about 4 tiles per expert) and the same within
+noise at E 32 and E 64 (F 256 and 128, 1 to 3 tiles per expert).
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ from jax.sharding import PartitionSpec as P
 from aristax.pallas_kernels.moe_mlp import reference
 from aristax.pallas_kernels.permute.reference import accumulation_dtype
 from aristax.pallas_kernels.ragged_dot.xla import (
-    SMALL_PRODUCT, Tiles, XlaTiles, group_bounds, resolve_tiles, tile_schedule,
+    SMALL_PRODUCT, XlaTiles, group_bounds, resolve_tiles,
 )
 from aristax.pallas_kernels.tiling import on_auto_axes, row_spec, varying_like
 
@@ -59,12 +67,15 @@ def backward_tiles(tiles):
 
 
 class Schedule(NamedTuple):
-    """Tiles of each size over the padded groups (``tiles[i]`` of ``sizes[i]`` rows;
-    ``Tiles.lo`` a padded position), and per group: ``shift`` (padded position minus
-    expert-order row) and ``end`` (padded position past its last real row)."""
+    """Per group g: ``pstart`` (its first padded position), ``padded`` (its rows
+    padded to a multiple of align), ``shift`` (padded position minus expert-order row)
+    and ``end`` (padded position past its last real row); ``order`` the groups with
+    rows first (ascending), ``count`` their number."""
 
-    tiles: list[Tiles]
-    sizes: list[int]
+    order: jax.Array
+    count: jax.Array
+    pstart: jax.Array
+    padded: jax.Array
     shift: jax.Array
     end: jax.Array
 
@@ -75,22 +86,28 @@ def padded_rows(num_rows: int, num_groups: int, tiles: XlaTiles) -> int:
 
 
 def schedules(group_sizes: jax.Array, num_rows: int, tiles: XlaTiles) -> Schedule:
-    """The tile loops of group_sizes int32[E] over ``num_rows`` rows (module docstring)."""
-    b, a = tiles.block_m, tiles.align
+    """The padded layout of group_sizes int32[E] over ``num_rows`` rows (module docstring)."""
+    a = tiles.align
     starts, ends = group_bounds(group_sizes, num_rows)
     n = ends - starts
     q = (n + a - 1) // a * a
     pstart = jnp.cumsum(q, dtype=jnp.int32) - q
-    bound = padded_rows(num_rows, group_sizes.shape[0], tiles)
-    full = q // b * b
-    loops, sizes = [tile_schedule(pstart, full, b, max(1, bound // b))], [b]
-    lo, rest, size = pstart + full, q - full, b // 2
+    order = jnp.argsort(q == 0, stable=True).astype(jnp.int32)
+    return Schedule(order, jnp.sum(q > 0, dtype=jnp.int32), pstart, q, pstart - starts,
+                    pstart + n)
+
+
+def group_tiles(sched: Schedule, g, tiles: XlaTiles) -> list[tuple[int, jax.Array, jax.Array]]:
+    """(size, first padded position, count) of each run of group g's tiles: q // b
+    tiles of b rows, then one tile of each size s in b/2, ..., a whose bit is set in
+    q % b (count 0 or 1), laid end to end from ``pstart[g]``."""
+    b, a = tiles.block_m, tiles.align
+    q, lo = sched.padded[g], sched.pstart[g]
+    runs, rest, size = [(b, lo, q // b)], q % b, b // 2
     while size >= a:
-        take = rest // size * size  # 0 or size: rest < 2 * size here
-        loops.append(tile_schedule(lo, take, size, group_sizes.shape[0]))
-        sizes.append(size)
-        lo, rest, size = lo + take, rest - take, size // 2
-    return Schedule(loops, sizes, pstart - starts, pstart + n)
+        runs.append((size, lo + q // b * b + rest // (2 * size) * (2 * size), rest // size % 2))
+        size //= 2
+    return runs
 
 
 def _tiles_for(tiles, m: int, d: int, f: int, num_groups: int) -> XlaTiles:
@@ -103,17 +120,24 @@ def _tiles_for(tiles, m: int, d: int, f: int, num_groups: int) -> XlaTiles:
     return XlaTiles(block_m=block, align=block)
 
 
-def _rows_of_tile(sched: Schedule, loop: Tiles, t, size: int, sort_order, nv, top_k: int,
+def _group_tiles_run(sched: Schedule, tiles: XlaTiles, g, tile, carry):
+    """``carry`` after ``tile(lo, size, carry)`` over group g's tiles (``group_tiles``)."""
+    for size, first, count in group_tiles(sched, g, tiles):
+        carry = lax.fori_loop(
+            0, count, lambda t, c, size=size, first=first: tile(first + t * size, size, c), carry)
+    return carry
+
+
+def _rows_of_tile(sched: Schedule, g, lo, size: int, sort_order, nv, top_k: int,
                   num_tokens: int):
-    """(expert g, padded position lo, assignment ids int32[size], tokens int32[size])
-    of tile t; rows that are padding or at/past nv get token ``num_tokens`` and
+    """(assignment ids int32[size], tokens int32[size]) of group g's tile at padded
+    position lo; rows that are padding or at/past nv get token ``num_tokens`` and
     assignment T*K (gathered as zeros, dropped when scattered)."""
-    g, lo = loop.group[t], loop.lo[t]
     src = lo - sched.shift[g]
     ids = lax.dynamic_slice_in_dim(sort_order, src, size)
     j = jnp.arange(size, dtype=jnp.int32)
     valid = (lo + j < sched.end[g]) & (src + j < nv)
-    return (g, lo, jnp.where(valid, ids, num_tokens * top_k),
+    return (jnp.where(valid, ids, num_tokens * top_k),
             jnp.where(valid, ids // top_k, num_tokens))
 
 
@@ -145,7 +169,8 @@ def moe_mlp(x, sort_order, weights, group_sizes, num_valid, gate_edf, up_edf, do
 
 def forward(x, sort_order, weights, group_sizes, num_valid, gate_edf, up_edf, down_efd, *,
             activation: str, tiles=None, interpret: bool = False):
-    """(y [T, D] accumulation dtype, pre-activations [P, n * F] saved per padded row).
+    """(y [T, D] accumulation dtype, saved: the pre-activations per padded row, one
+    [P, F] array each for gate (when there is one) and up).""
 
     Args as ``api.moe_mlp``: x [T, D]; sort_order int32[M]; weights [T, K];
     group_sizes int32[E]; num_valid int32[]; gate_edf [E, D, F] or None; up_edf
@@ -159,36 +184,43 @@ def forward(x, sort_order, weights, group_sizes, num_valid, gate_edf, up_edf, do
     def run(x, sort_order, weights, group_sizes, num_valid, gate, up, down):
         acc = accumulation_dtype(x.dtype)
         zeros = lambda shape: varying_like(jnp.zeros(shape, acc), x)  # noqa: E731
-        y, saved = zeros((T, D)), zeros((padded_rows(M, E, tiles), n_pre * F))
+        y = zeros((T, D))
+        saved = tuple(zeros((padded_rows(M, E, tiles), F)) for _ in range(n_pre))
         if 0 in (T, D, F, E, M):
             return y, saved
         sched = schedules(group_sizes, M, tiles)
         order = jnp.pad(sort_order, (0, tiles.block_m))
         w_flat = weights.reshape(-1).astype(acc)
-        for loop, size in zip(sched.tiles, sched.sizes):
-            def step(t, carry, loop=loop, size=size):
+
+        def group(i, carry):
+            g = sched.order[i]
+            mats, down_g = tuple(_at(m, g) for m in _mats(gate, up)), _at(down, g)
+
+            def tile(lo, size, carry):
                 y, saved = carry
-                g, lo, ids, tok = _rows_of_tile(sched, loop, t, size, order, num_valid,
-                                                weights.shape[1], T)
+                ids, tok = _rows_of_tile(sched, g, lo, size, order, num_valid,
+                                         weights.shape[1], T)
                 rows = jnp.take(x, tok, axis=0, mode="fill", fill_value=0)
-                pre = tuple(_dot(rows, _at(m, g), (1, 0), acc) for m in _mats(gate, up))
+                pre = tuple(_dot(rows, m, (1, 0), acc) for m in mats)
                 h = _hidden(pre, activation).astype(x.dtype)
                 w = jnp.take(w_flat, ids, mode="fill", fill_value=0)
-                y = y.at[tok].add(_dot(h, _at(down, g), (1, 0), acc) * w[:, None], mode="drop")
-                saved = lax.dynamic_update_slice_in_dim(saved, jnp.concatenate(pre, 1), lo, 0)
+                y = y.at[tok].add(_dot(h, down_g, (1, 0), acc) * w[:, None], mode="drop")
+                saved = tuple(lax.dynamic_update_slice_in_dim(s, p, lo, 0)
+                              for s, p in zip(saved, pre))
                 return y, saved
-            y, saved = lax.fori_loop(0, loop.count, step, (y, saved))
-        return y, saved
+            return _group_tiles_run(sched, tiles, g, tile, carry)
+        return lax.fori_loop(0, sched.count, group, (y, saved))
 
     return on_auto_axes(run, x, sort_order, weights, group_sizes, num_valid, gate_edf,
-                        up_edf, down_efd, out_sharding=lambda: (row_spec(x), P()))
+                        up_edf, down_efd,
+                        out_sharding=lambda: (row_spec(x), (P(),) * n_pre))
 
 
 def backward(residuals, saved, dy, *, activation: str, tiles=None, interpret: bool = False):
     """Gradients (dx, None, dweights, None, None, dgate, dup, ddown) for dy [T, D].
 
     residuals: (x, sort_order, weights, group_sizes, num_valid, gate, up, down) as the
-    forward took them; saved: its pre-activations. dx in x's dtype, dweights in
+    forward took them; saved: its pre-activations (``forward``). dx in x's dtype, dweights in
     weights', the weight gradients in the weights' dtypes (dgate None without a gate).
     """
     del interpret
@@ -207,27 +239,37 @@ def backward(residuals, saved, dy, *, activation: str, tiles=None, interpret: bo
             order = jnp.pad(sort_order, (0, tiles.block_m))
             w_flat = weights.reshape(-1).astype(acc)
             dy = dy.astype(acc)
-            for loop, size in zip(sched.tiles, sched.sizes):
-                def step(t, grads, loop=loop, size=size):
-                    dx, dw, ddown, dmats = grads
-                    g, lo, ids, tok = _rows_of_tile(sched, loop, t, size, order, nv, K, T)
+
+            def group(i, grads):
+                dx, dw, ddown, dmats = grads
+                g = sched.order[i]
+                mats_g, down_g = tuple(_at(m, g) for m in mats), _at(down, g)
+
+                def tile(lo, size, carry):
+                    dx, dw, ddown_g, dmats_g = carry
+                    ids, tok = _rows_of_tile(sched, g, lo, size, order, nv, K, T)
                     rows = jnp.take(x, tok, axis=0, mode="fill", fill_value=0)
-                    pre = lax.dynamic_slice_in_dim(saved, lo, size)
-                    pre = tuple(pre[:, i * F:(i + 1) * F] for i in range(len(mats)))
+                    pre = tuple(lax.dynamic_slice_in_dim(s, lo, size) for s in saved)
                     h, act_vjp = jax.vjp(lambda *p: _hidden(p, activation), *pre)
                     h = h.astype(dtype)
                     dy_rows = jnp.take(dy, tok, axis=0, mode="fill", fill_value=0)
                     w = jnp.take(w_flat, ids, mode="fill", fill_value=0)[:, None]
-                    gh = _dot(dy_rows.astype(dtype), _at(down, g), (1, 1), acc)  # [size, F]
+                    gh = _dot(dy_rows.astype(dtype), down_g, (1, 1), acc)  # [size, F]
                     dw = dw.at[ids].set(jnp.sum(h.astype(acc) * gh, axis=1), mode="drop")
-                    ddown = ddown.at[g].add(_dot(h, (w * dy_rows).astype(dtype), (0, 0), acc))
+                    ddown_g = ddown_g + _dot(h, (w * dy_rows).astype(dtype), (0, 0), acc)
                     d_pre = [d.astype(dtype) for d in act_vjp((w * gh).astype(dtype).astype(acc))]
-                    drows = sum(_dot(d, _at(m, g), (1, 1), acc) for d, m in zip(d_pre, mats))
+                    drows = sum(_dot(d, m, (1, 1), acc) for d, m in zip(d_pre, mats_g))
                     dx = dx.at[tok].add(drows, mode="drop")
-                    dmats = tuple(dm.at[g].add(_dot(rows, d, (0, 0), acc))
-                                  for dm, d in zip(dmats, d_pre))
-                    return dx, dw, ddown, dmats
-                grads = lax.fori_loop(0, loop.count, step, grads)
+                    dmats_g = tuple(dm + _dot(rows, d, (0, 0), acc)
+                                    for dm, d in zip(dmats_g, d_pre))
+                    return dx, dw, ddown_g, dmats_g
+                dx, dw, ddown_g, dmats_g = _group_tiles_run(
+                    sched, tiles, g, tile,
+                    (dx, dw, zeros(down_g.shape), tuple(zeros(m.shape) for m in mats_g)))
+                return (dx, dw, lax.dynamic_update_index_in_dim(ddown, ddown_g, g, 0),
+                        tuple(lax.dynamic_update_index_in_dim(dm, d, g, 0)
+                              for dm, d in zip(dmats, dmats_g)))
+            grads = lax.fori_loop(0, sched.count, group, grads)
         dx, dw, ddown, dmats = grads
         return (dx.astype(dtype), dw.reshape(weights.shape).astype(weights.dtype),
                 ddown.astype(down.dtype), tuple(d.astype(m.dtype) for d, m in zip(dmats, mats)))

@@ -25,9 +25,11 @@ param_shapes = importlib.import_module("aristax.moe").param_shapes  # aristax.mo
 @pytest.mark.parametrize("tiles", [XlaTiles(32, 8), XlaTiles(64, 8), XlaTiles(16, 16)])
 @pytest.mark.parametrize("seed", range(4))
 def test_schedule_covers_every_padded_row_once(tiles, seed):
-    """Every row of each group (padded to a multiple of align) is covered by exactly
-    one tile of that group, tiles are of the loop's size and lie in their group, no
-    loop needs more entries than it has, and the real rows map back to their own."""
+    """The groups with rows are visited once each, in order, then no other; every row
+    of each group (padded to a multiple of align) is covered by exactly one of its
+    tiles, of the run's size and inside the group, with at most one tile of each
+    remainder size; the padded layout fits P rows and the real rows map back to their
+    own."""
     rng = np.random.default_rng(seed)
     E = int(rng.integers(1, 9))
     sizes = rng.integers(0, 80, E) * (rng.random(E) < 0.8)  # some empty groups
@@ -37,17 +39,21 @@ def test_schedule_covers_every_padded_row_once(tiles, seed):
     clipped = np.diff(np.minimum(np.concatenate([[0], np.cumsum(sizes)]), m))
     padded = -(-clipped // tiles.align) * tiles.align
     pstart = np.cumsum(padded) - padded
-    owner = np.full(int(padded.sum()), -1)
     assert padded.sum() <= xla.padded_rows(m, E, tiles)
-    for loop, size in zip(sched.tiles, sched.sizes):
-        count = int(loop.count)
-        assert count <= loop.group.shape[0]  # the static number of entries holds them
-        assert size in [tiles.block_m >> i for i in range(8)] and size >= tiles.align
-        for t in range(count):
-            g, lo = int(loop.group[t]), int(loop.lo[t])
-            assert pstart[g] <= lo and lo + size <= pstart[g] + padded[g], (g, lo, size)
-            assert (owner[lo:lo + size] == -1).all()
-            owner[lo:lo + size] = g
+    count = int(sched.count)
+    np.testing.assert_array_equal(np.asarray(sched.order)[:count], np.flatnonzero(padded))
+    owner = np.full(int(padded.sum()), -1)
+    for g in range(E):
+        runs = xla.group_tiles(sched, g, tiles)
+        assert [size for size, _, _ in runs] == [tiles.block_m >> i for i in range(len(runs))]
+        assert runs[-1][0] == tiles.align
+        for i, (size, first, n) in enumerate(runs):
+            assert i == 0 or int(n) in (0, 1)
+            for t in range(int(n)):
+                lo = int(first) + t * size
+                assert pstart[g] <= lo and lo + size <= pstart[g] + padded[g], (g, lo, size)
+                assert (owner[lo:lo + size] == -1).all()
+                owner[lo:lo + size] = g
     assert (owner == np.repeat(np.arange(E), padded)).all()
     shift, end = np.asarray(sched.shift), np.asarray(sched.end)
     np.testing.assert_array_equal(end, pstart + clipped)
