@@ -17,7 +17,10 @@ put in one class by its name and its JAX op:
 Thunk times are summed over the trace's executed thunks (a loop body's once per
 trip), as a share of their sum: the time each class holds a thread, not wall time
 (the two cores run some thunks side by side). The wall-time median of separate calls
-is reported beside it.
+is reported beside it. Eigen's dots (the ones YNNPACK does not take, such as a
+contraction over both operands' rows) report less than they run: at E 8 the weight
+gradients' [512, 512]^T @ [512, 1024] dots added up to over 800 GFLOP/s, twice the 2
+cores' peak, so ``gemm`` is a lower bound.
 
 Usage: python experiments/benchmarks/layer_profile.py [--shapes T,D,F,E,K;...]
        [--runs 3] [--unfused] [--out OUT.json]
