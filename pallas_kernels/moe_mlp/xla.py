@@ -1,7 +1,8 @@
-"""Plain-XLA backend of the fused expert MLP (the CPU default): one loop over row tiles
-gathers each tile's tokens, runs its expert's gate/up GEMMs, the activation and the
-down GEMM, and scatter-adds the weighted rows into y; a backward loop of its own does
-the same for the gradients. No Pallas: compiled (never interpreted) on every platform.
+"""Plain-XLA backend of the fused expert MLP (the CPU default): a loop over each
+expert's row tiles gathers each tile's tokens, runs the expert's gate/up GEMMs, the
+activation and the down GEMM, and scatter-adds the weighted rows into y; a backward
+loop of its own does the same for the gradients. No Pallas: compiled (never
+interpreted) on every platform.
 
 Letters: T tokens, D model dim, F expert hidden dim, E experts, K per token, M = T*K
 rows in expert order (row m holds assignment ``sort_order[m]``, token
@@ -34,7 +35,7 @@ no concatenation per tile). The backward runs the same tiles and the same formul
 
 Measured against the tile-major loops before (one loop per tile size over all groups,
 one [P, 2F] array saved): a layer's forward + backward on the 2-core Xeon VM took
-0.90-0.94x the time at E 8 (F 1024, about 4 tiles per expert) and the same within
+0.90-0.94x the time at E 8 (F 1024, 2 to 4 tiles per expert) and the same within
 noise at E 32 and E 64 (F 256 and 128, 1 to 3 tiles per expert).
 """
 
