@@ -142,11 +142,9 @@ def _transposed(w):
 
 def _hidden_and_vjp(gmm, rows, gate, up, activation: str):
     """(h [M, F] float32, its vjp over the pre-activations) recomputed from rows."""
-    up_pre = gmm(rows, up, jnp.float32)
-    if gate is None:
-        return jax.vjp(lambda u: reference.hidden(None, u, activation), up_pre)
-    return jax.vjp(lambda g, u: reference.hidden(g, u, activation),
-                   gmm(rows, gate, jnp.float32), up_pre)
+    pre = (gmm(rows, up, jnp.float32),)
+    return reference.hidden_vjp(pre if gate is None else (gmm(rows, gate, jnp.float32),) + pre,
+                                activation)
 
 
 def _assignment_values(values, sort_order, shape):

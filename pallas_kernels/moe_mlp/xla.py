@@ -251,7 +251,7 @@ def backward(residuals, saved, dy, *, activation: str, tiles=None, interpret: bo
                     ids, tok = _rows_of_tile(sched, g, lo, size, order, nv, K, T)
                     rows = jnp.take(x, tok, axis=0, mode="fill", fill_value=0)
                     pre = tuple(lax.dynamic_slice_in_dim(s, lo, size) for s in saved)
-                    h, act_vjp = jax.vjp(lambda *p: _hidden(p, activation), *pre)
+                    h, act_vjp = reference.hidden_vjp(pre, activation)
                     h = h.astype(dtype)
                     dy_rows = jnp.take(dy, tok, axis=0, mode="fill", fill_value=0)
                     w = jnp.take(w_flat, ids, mode="fill", fill_value=0)[:, None]

@@ -232,6 +232,32 @@ def test_matches_reference_and_gradients(name, activation, dtype, shape, cases):
     check_against_reference(name, shape, activation, dtype, seed=1, cases=cases)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize("activation", reference.ACTIVATIONS + reference.OTHER_ACTIVATIONS)
+def test_hidden_vjp_equals_autodiff_of_hidden(activation, dtype):
+    """``reference.hidden_vjp`` (SwiGLU's written out) gives ``hidden`` and jax.vjp of
+    it, on fresh values from -60 to 60 (sigmoid saturated both ways) and around 0."""
+    with jax.enable_x64(dtype == jnp.float64):
+        _check_hidden_vjp(activation, dtype)
+
+
+def _check_hidden_vjp(activation, dtype):
+    rng = np.random.default_rng(5)
+    pre = tuple(jnp.asarray(np.concatenate([rng.standard_normal(64) * 3,
+                                            rng.uniform(-60, 60, 64)]), dtype)
+                for _ in range(2 if activation in reference.GATED + ("clamped_swiglu",) else 1))
+    dh = jnp.asarray(rng.standard_normal(128), dtype)
+    full = pre if len(pre) == 2 else (None,) + pre
+    h, vjp = reference.hidden_vjp(pre, activation)
+    want_h, want_vjp = jax.vjp(lambda *p: reference.hidden(
+        *(p if len(p) == 2 else (None,) + p), activation), *pre)
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == jnp.float32 else dict(rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(h, reference.hidden(*full, activation), **tol)
+    np.testing.assert_allclose(h, want_h, **tol)
+    for got, want in zip(vjp(dh), want_vjp(dh), strict=True):
+        np.testing.assert_allclose(got, want, **tol)
+
+
 def test_every_backend_runs_every_routing():
     """The spread of COMBOS' routing cases leaves none out for any backend."""
     T, _, _, E, K = SHAPE  # K < E: every routing case exists
