@@ -22,6 +22,12 @@ contraction over both operands' rows) report less than they run: at E 8 the weig
 gradients' [512, 512]^T @ [512, 1024] dots added up to over 800 GFLOP/s, twice the 2
 cores' peak, so ``gemm`` is a lower bound.
 
+A wall-time measure beside it (``gemm_floor``): the fused loop's nine expert GEMMs
+per tile alone, on the tiles its schedule cuts for this routing's group sizes, with
+contiguous rows and nothing else (no gather, activation, scatter, saved array or
+routing). ``non_gemm_share`` = 1 - floor / the step's wall time is what everything
+but the expert GEMMs costs, measured on the clock.
+
 Usage: python experiments/benchmarks/layer_profile.py [--shapes T,D,F,E,K;...]
        [--runs 3] [--unfused] [--out OUT.json]
 """
@@ -48,10 +54,14 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import moe_layer  # noqa: E402
+
+from aristax.pallas_kernels.moe_mlp import xla as moe_mlp_xla  # noqa: E402
 
 SKIP = ("$", "PjitFunction", "ThunkExecutor", "CommonPjRt", "ExecuteReplicated",
         "SlinkyThreadPool", "cond", "while", "call")  # wrappers: their children count
@@ -106,6 +116,52 @@ def wall_ms(step, calls: int = 5) -> float:
     return 1e3 * float(np.median(times))
 
 
+def gemm_floor_step(w, K: int):
+    """The fused loop's expert GEMMs alone (module docstring) for the top-K routing of
+    ``w`` (``moe_layer.weights``): per tile of s rows of expert e, with r, dy
+    [s, D] contiguous rows,
+      forward   g = r @ gate[e], u = r @ up[e], o = g @ down[e]
+      backward  gh = dy @ down[e]^T, ddown[e] += g^T @ dy,
+                dr = gh @ gate[e]^T + u @ up[e]^T, dgate[e] += r^T @ gh, dup[e] += r^T @ u
+    (g, u and gh stand in for h and the pre-activations' gradients: same shapes)."""
+    (D, E), F = w["router"].shape, w["gate"].shape[2]
+    T = w["x"].shape[0]
+    top = np.argsort(-(w["x"] @ w["router"]), axis=1, kind="stable")[:, :K]
+    sizes = jnp.asarray(np.bincount(top.ravel(), minlength=E), jnp.int32)
+    M = T * K
+    tiles = moe_mlp_xla._tiles_for(None, M, D, F, E)
+    P = moe_mlp_xla.padded_rows(M, E, tiles) + tiles.block_m
+    rng = np.random.default_rng(2)
+    rows, dy = (jnp.asarray(rng.standard_normal((P, D)), jnp.float32) for _ in range(2))
+    mats = tuple(jnp.asarray(w[k]) for k in ("gate", "up", "down"))
+    dot = lambda a, b, c: lax.dot_general(a, b, ((c[:1], c[1:]), ((), ())))  # noqa: E731
+
+    @jax.jit
+    def step(sizes, rows, dy, mats):
+        sched = moe_mlp_xla.schedules(sizes, M, tiles)
+
+        def group(i, total):
+            e = sched.order[i]
+            gate, up, down = (lax.dynamic_index_in_dim(m, e, keepdims=False) for m in mats)
+
+            def tile(lo, size, carry):
+                out, grads = carry
+                r, d = (lax.dynamic_slice_in_dim(a, lo, size) for a in (rows, dy))
+                g, u = dot(r, gate, (1, 0)), dot(r, up, (1, 0))
+                gh = dot(d, down, (1, 1))
+                dr = dot(gh, gate, (1, 1)) + dot(u, up, (1, 1))
+                out = out + jnp.sum(dot(g, down, (1, 0))) + jnp.sum(dr)
+                grads = tuple(a + b for a, b in zip(grads, (
+                    dot(g, d, (0, 0)), dot(r, gh, (0, 0)), dot(r, u, (0, 0)))))
+                return out, grads
+            zero = (jnp.zeros((F, D)), jnp.zeros((D, F)), jnp.zeros((D, F)))
+            out, grads = moe_mlp_xla._group_tiles_run(sched, tiles, e, tile,
+                                                      (jnp.zeros(()), zero))
+            return total + out + sum(jnp.sum(a) for a in grads)
+        return lax.fori_loop(0, sched.count, group, jnp.zeros(()))
+    return lambda: step(sizes, rows, dy, mats)
+
+
 def row(label: str, make_step, runs: int) -> dict:
     """The profile of the step ``make_step()`` returns (its HLO: the files it dumps)."""
     before = set(glob.glob(f"{DUMP}/*"))
@@ -151,8 +207,16 @@ def main() -> None:
         steps = [("fused", lambda: moe_layer.aristax_step(w, K))]
         if args.unfused:
             steps.append(("unfused", lambda: moe_layer.aristax_step(w, K, fused=False)))
-        result["rows"].append({"shape": dict(T=T, D=D, F=F, E=E, K=K), "steps": [
-            row(label, make, args.runs) for label, make in steps]})
+        floor = gemm_floor_step(w, K)
+        jax.block_until_ready(floor())
+        floor_ms = wall_ms(floor)
+        rows = [row(label, make, args.runs) for label, make in steps]
+        for r in rows:
+            r["non_gemm_share"] = 1 - floor_ms / r["wall_ms"]
+        print(f"  gemm floor {floor_ms:6.1f} ms: everything else is " + ", ".join(
+            f"{100 * r['non_gemm_share']:.0f}% of {r['step']}" for r in rows))
+        result["rows"].append({"shape": dict(T=T, D=D, F=F, E=E, K=K),
+                               "gemm_floor_ms": floor_ms, "steps": rows})
         out.write_text(json.dumps(result, indent=1))
     shutil.rmtree(DUMP, ignore_errors=True)
     print(f"wrote {out}")
