@@ -171,7 +171,7 @@ def moe_mlp(x, sort_order, weights, group_sizes, num_valid, gate_edf, up_edf, do
 def forward(x, sort_order, weights, group_sizes, num_valid, gate_edf, up_edf, down_efd, *,
             activation: str, tiles=None, interpret: bool = False):
     """(y [T, D] accumulation dtype, saved: the pre-activations per padded row, one
-    [P, F] array each for gate (when there is one) and up).""
+    [P, F] array each for gate (when there is one) and up).
 
     Args as ``api.moe_mlp``: x [T, D]; sort_order int32[M]; weights [T, K];
     group_sizes int32[E]; num_valid int32[]; gate_edf [E, D, F] or None; up_edf
@@ -221,8 +221,9 @@ def backward(residuals, saved, dy, *, activation: str, tiles=None, interpret: bo
     """Gradients (dx, None, dweights, None, None, dgate, dup, ddown) for dy [T, D].
 
     residuals: (x, sort_order, weights, group_sizes, num_valid, gate, up, down) as the
-    forward took them; saved: its pre-activations (``forward``). dx in x's dtype, dweights in
-    weights', the weight gradients in the weights' dtypes (dgate None without a gate).
+    forward took them; saved: its pre-activations (``forward``). dx in x's dtype,
+    dweights in weights', the weight gradients in the weights' dtypes (dgate None
+    without a gate).
     """
     del interpret
     x, sort_order, weights, group_sizes, nv, gate_edf, up_edf, down_efd = residuals
