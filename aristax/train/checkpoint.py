@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -45,6 +46,17 @@ class CheckpointSaveError(RuntimeError):
 def _one_line(err: Exception) -> str:
     """An exception's message on one line (its type when it has none)."""
     return " ".join(str(err).split()) or type(err).__name__
+
+
+def _os_error(message: str) -> str | None:
+    """The OS error named in a failed write's ``message`` ("File too large [Errno 27]"),
+    from Python's "[Errno N]" or TensorStore's "os_error_code='N'" (which ends a message
+    hundreds of characters long, its readable reason far before it), else None."""
+    found = re.search(r"\[Errno (\d+)\]|os_error_code='?(\d+)", message)
+    if found is None:
+        return None
+    code = int(found.group(1) or found.group(2))
+    return f"{os.strerror(code)} [Errno {code}]"
 
 
 def checksum(array: np.ndarray) -> str:
@@ -182,9 +194,12 @@ class Checkpointer:
 
     def _save_error(self, step: int, err: Exception) -> CheckpointSaveError:
         cause = _one_line(err)
-        cause = cause if len(cause) <= 200 else "..." + cause[-200:]  # the OS error ends it
-        return CheckpointSaveError(f"checkpoint of step {step} could not be written to "
-                                   f"{self.manager.directory / str(step)}: {cause}")
+        short = cause if len(cause) <= 200 else "..." + cause[-200:]
+        reason = _os_error(cause)
+        return CheckpointSaveError(
+            f"checkpoint of step {step} could not be written to "
+            f"{self.manager.directory / str(step)}: "
+            + (short if reason is None else f"{reason} ({short})"))
 
     def _corrupt(self, step: int, what: str, target=None) -> CorruptCheckpoint:
         """The error for ``step``, with the newest earlier step that reads back intact

@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from aristax.train.checkpoint import CheckpointSaveError, Checkpointer
+
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["model.d_model=32", "model.d_ff=64", "model.seq_len=32", "data.batch_size=8",
          "data.max_bytes=300000", "eval_batches=1", "progress=false", "log_every=1"]
@@ -221,6 +223,37 @@ def _file_size_limit(limit: int):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit: EFBIG
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
     return preexec
+
+
+TENSORSTORE_EFBIG = (  # the shape of TensorStore's message: the readable reason early,
+    # then the array's spec (hundreds of characters), the error number last
+    "Error writing local file \"{path}/d/c/0\": File too large [OS error 27] "
+    "[source locations='tensorstore/kvstore/file/file_key_value_store.cc:400'] "
+    "[tensorstore_spec='{{\"driver\":\"zarr3\",\"metadata\":{{" + "\"x\":0," * 90
+    + "}}}}'] [os_error_code='27']")
+
+
+@pytest.mark.parametrize("error", [
+    lambda path: ValueError(TENSORSTORE_EFBIG.format(path=path)),
+    lambda path: OSError(27, "File too large", str(path) + "/x" * 200),
+], ids=["tensorstore", "python"])
+def test_a_failed_write_names_the_os_error_however_long_the_message(tmp_path, error):
+    """The one line of a failed checkpoint write names the OS error first, whatever
+    the length of the writer's message: TensorStore's ends with the array's spec and
+    its error number, far past the readable reason (seen once in CI: the line held
+    only "... [os_error_code='27']")."""
+    ckpt = Checkpointer(tmp_path / "ckpt", keep=2)
+
+    def failing_save(*args, **kwargs):
+        raise error(tmp_path)
+    ckpt.manager.save = failing_save
+    with pytest.raises(CheckpointSaveError) as caught:
+        ckpt.save(5, {"w": np.zeros(3, np.float32)}, {"position": 0}, {"name": "t"})
+    line = str(caught.value)
+    assert "\n" not in line and len(line) < 400 + len(str(tmp_path)), line
+    where = tmp_path / "ckpt" / "5"
+    assert line.startswith(f"checkpoint of step 5 could not be written to {where}: "
+                           "File too large [Errno 27]"), line
 
 
 def test_a_failed_checkpoint_write_stops_the_run_at_the_next_step(tmp_path):
