@@ -493,7 +493,7 @@ def test_temporary_memory_grows_with_tokens_not_with_experts_times_tokens():
     """The layer's forward + backward at E = 64 compiles to temporaries of a few
     [T*K + E*align, D + F] float32 buffers plus the weight gradients' accumulators,
     whatever E (on the CPU the fused "xla" moe_mlp loop: y and dx [T, D], the saved
-    pre-activations [T*K + E*(align-1), 2F]): lax.ragged_dot's lowering on XLA:CPU (the
+    pre-activations, two [T*K + E*(align-1), F]): lax.ragged_dot's lowering on XLA:CPU (the
     "reference") masks its rows into [E, T*K, D], 200 times that at this shape."""
     from aristax.pallas_kernels.ragged_dot import api as ragged_dot_api
 

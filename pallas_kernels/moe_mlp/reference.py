@@ -56,6 +56,12 @@ def hidden(gate: jax.Array | None, up: jax.Array, activation: str, *,
                      f"{ACTIVATIONS + OTHER_ACTIVATIONS}")
 
 
+def hidden_of(pre: tuple[jax.Array, ...], activation: str) -> jax.Array:
+    """``hidden`` of the pre-activations ``pre``: (gate, up), or (up,) for "gelu" and
+    "relu" (the fused loops carry only the ones there are)."""
+    return hidden(*((None,) + tuple(pre) if len(pre) == 1 else pre), activation)
+
+
 def hidden_vjp(pre: tuple[jax.Array, ...], activation: str):
     """(h, vjp) of ``hidden`` at the pre-activations ``pre``: (gate, up), or (up,) for
     "gelu" and "relu"; vjp maps dh to a tuple like ``pre``. "swiglu" is written out,
@@ -69,7 +75,7 @@ def hidden_vjp(pre: tuple[jax.Array, ...], activation: str):
         s = jax.nn.sigmoid(gate)
         silu = gate * s
         return silu * up, lambda dh: (dh * up * (s + silu * (1 - s)), dh * silu)
-    return jax.vjp(lambda *p: hidden(*((None,) + p if len(p) == 1 else p), activation), *pre)
+    return jax.vjp(lambda *p: hidden_of(p, activation), *pre)
 
 
 def check(x: jax.Array, weights: jax.Array, up_edf: jax.Array, *,

@@ -146,11 +146,6 @@ def _mats(gate, up):
     return (up,) if gate is None else (gate, up)
 
 
-def _hidden(pre, activation: str):
-    """h of the pre-activations (gate, up) or (up,)."""
-    return reference.hidden(*((None,) + pre if len(pre) == 1 else pre), activation)
-
-
 def _at(w, g) -> jax.Array:
     """w[g] for a traced g (w may be a NumPy array: the front door keeps its type)."""
     return lax.dynamic_index_in_dim(w, g, keepdims=False)
@@ -203,7 +198,7 @@ def forward(x, sort_order, weights, group_sizes, num_valid, gate_edf, up_edf, do
                                          weights.shape[1], T)
                 rows = jnp.take(x, tok, axis=0, mode="fill", fill_value=0)
                 pre = tuple(_dot(rows, m, (1, 0), acc) for m in mats)
-                h = _hidden(pre, activation).astype(x.dtype)
+                h = reference.hidden_of(pre, activation).astype(x.dtype)
                 w = jnp.take(w_flat, ids, mode="fill", fill_value=0)
                 y = y.at[tok].add(_dot(h, down_g, (1, 0), acc) * w[:, None], mode="drop")
                 saved = tuple(lax.dynamic_update_slice_in_dim(s, p, lo, 0)

@@ -236,7 +236,8 @@ def test_matches_reference_and_gradients(name, activation, dtype, shape, cases):
 @pytest.mark.parametrize("activation", reference.ACTIVATIONS + reference.OTHER_ACTIVATIONS)
 def test_hidden_vjp_equals_autodiff_of_hidden(activation, dtype):
     """``reference.hidden_vjp`` (SwiGLU's written out) gives ``hidden`` and jax.vjp of
-    it, on fresh values from -60 to 60 (sigmoid saturated both ways) and around 0."""
+    it, on fresh values from -60 to 60 (sigmoid saturated both ways) and around 0; in
+    float64 its vjp also matches central differences of ``hidden``."""
     with jax.enable_x64(dtype == jnp.float64):
         _check_hidden_vjp(activation, dtype)
 
@@ -256,6 +257,14 @@ def _check_hidden_vjp(activation, dtype):
     np.testing.assert_allclose(h, want_h, **tol)
     for got, want in zip(vjp(dh), want_vjp(dh), strict=True):
         np.testing.assert_allclose(got, want, **tol)
+    if dtype == jnp.float64:  # and, independently of autodiff, central differences
+        v = tuple(jnp.asarray(rng.standard_normal(128), dtype) for _ in pre)
+        eps = 1e-6
+        moved = [reference.hidden_of(tuple(p + sign * eps * d for p, d in zip(pre, v)),
+                                     activation) for sign in (1, -1)]
+        directional = jnp.sum(dh * (moved[0] - moved[1])) / (2 * eps)
+        np.testing.assert_allclose(sum(jnp.sum(g * d) for g, d in zip(vjp(dh), v)),
+                                   directional, rtol=1e-6)
 
 
 def test_every_backend_runs_every_routing():

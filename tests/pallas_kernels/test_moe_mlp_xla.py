@@ -216,7 +216,6 @@ def test_layer_default_runs_the_fused_loop_where_it_serves(options, fused, monke
         chex.assert_trees_all_close(leaf, ref, atol=1e-5 * scale, rtol=1e-5)
 
 
-
 def test_numpy_operands_run_eagerly():
     """NumPy weights (as a user's loaded checkpoint, or moe() with np.asarray params)
     reach the loop as NumPy arrays: indexed by a traced expert they must not be
