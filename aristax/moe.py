@@ -19,7 +19,7 @@ from aristax.config import MoEConfig, accumulation_dtype
 from aristax.experts import activation_of, dense_mlp, expert_mlp
 from aristax.pallas_kernels import frontdoor
 from aristax.pallas_kernels.moe_mlp import fused_backend, moe_mlp
-from aristax.pallas_kernels.moe_mlp.reference import ACTIVATIONS as FUSED_ACTIVATIONS
+from aristax.pallas_kernels.moe_mlp.reference import ExpertMlp
 from aristax.pallas_kernels.permute import api as permute_api
 from aristax.pallas_kernels.permute.reference import inverse_order
 from aristax.pallas_kernels.ragged_dot import api as ragged_dot_api
@@ -393,7 +393,7 @@ def routed_experts(
 
     if dropless:
         y = fused_experts(xc, dispatch.sort_order, weights, dispatch.group_sizes,
-                          dispatch.num_routed, params, config)
+                          dispatch.num_routed, params, config, input_weights=input_side)
         if y is not None:
             return y
     if not dropless or config.implementation is None:
@@ -429,27 +429,34 @@ def fused_experts(
     num_valid: jax.Array,
     params: MoEParams,
     config: MoEConfig,
+    *,
+    input_weights: bool,
 ) -> jax.Array | None:
     """``moe_mlp`` (gather, expert MLP, weighted combine in one op) on the backend that
     ``config.implementation`` picks (None: the platform's layer default, "xla" on the
     CPU), or None when it picks none (``moe_mlp.fused_backend``: "reference" first, no
-    default on the platform, or every named kernel refuses) or the config asks what
-    the fused op does not compute; callers then run the unfused path.
+    default on the platform, or every named kernel refuses or does not compute the
+    config's activation, expert biases or input-side weights); callers then run the
+    unfused path.
 
     x: [T, D] compute dtype; sort_order: int32[T*K] flat assignment t*K + k of each row
     in expert order (``Dispatch.sort_order``); weights: [T, K]; group_sizes: int32[E];
-    num_valid: routed rows (rows past it add nothing). Returns y [T, D] in the
-    accumulation dtype, or None.
+    num_valid: routed rows (rows past it add nothing); input_weights: the weights scale
+    the experts' input rows (``weight_side="input"``) instead of their outputs. Returns
+    y [T, D] in the accumulation dtype, or None.
     """
-    if (config.activation not in FUSED_ACTIVATIONS or config.expert_bias
-            or config.weight_side != "output"):
-        return None  # what the fused kernels do not compute
-    fused = fused_backend(config.implementation, x, weights, params.up_edf)
+    mlp = ExpertMlp(config.activation, config.swiglu_limit, config.swiglu_alpha,
+                    input_weights)
+    fused = fused_backend(config.implementation, x, weights, params.up_edf,
+                          extras=mlp.extras(config.expert_bias))
     if fused is None:
         return None
-    gate = params.gate_edf
-    return moe_mlp(x, sort_order, weights, group_sizes, gate, params.up_edf,
+    return moe_mlp(x, sort_order, weights, group_sizes, params.gate_edf, params.up_edf,
                    params.down_efd, activation=config.activation, num_valid=num_valid,
+                   gate_bias_ef=params.gate_bias_ef, up_bias_ef=params.up_bias_ef,
+                   down_bias_ed=params.down_bias_ed,
+                   weight_side="input" if input_weights else "output",
+                   swiglu_limit=config.swiglu_limit, swiglu_alpha=config.swiglu_alpha,
                    implementation=fused)
 
 

@@ -127,7 +127,8 @@ def local_experts(recv: jax.Array, recv_counts: jax.Array, params: MoEParams, co
     reads them in expert order and its epilogue writes each back in place."""
     order, sizes = regroup_order(recv_counts, buffer_size)
     ones = jnp.ones((recv.shape[0], 1), recv.dtype)
-    out = fused_experts(recv, order, ones, sizes, jnp.sum(sizes), params, config)
+    out = fused_experts(recv, order, ones, sizes, jnp.sum(sizes), params, config,
+                        input_weights=False)  # input-side weights were applied before
     if out is not None:
         return out
     out = routed_mlp(jnp.take(recv, order, axis=0), sizes, params, config)

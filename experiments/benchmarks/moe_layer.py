@@ -19,6 +19,13 @@ its per-round ratios):
   over experts) and "grouped_mm" (``torch._grouped_mm``), torch using as many
   threads as JAX (the machine's cores), the same weights and routing.
 
+With ``--block gpt_oss`` (``GptOssMLP``: clamped SwiGLU, expert biases, top-K softmax
+with a router bias) or ``--block llama4_text`` (``Llama4TextMoe``: routing weights on
+the experts' input, a shared expert; HF runs every expert on every token), the layer
+is ``MoE.from_hf`` of that block with random weights, HF's contenders are that block
+(Llama 4's experts have no "grouped_mm"), and there is no GShard row; results go to
+``results/moe_layer_<block>_<platform>.json``.
+
 Loads: "uniform" (a random router), "zipf" (a constant input feature whose router
 weights are log Zipf(1.2) shares in random order, so a few experts take most tokens).
 Default shapes are the issue's: (4096, 512, 1024, 8, 2), (4096, 512, 256, 32, 4),
@@ -26,7 +33,7 @@ Default shapes are the issue's: (4096, 512, 1024, 8, 2), (4096, 512, 256, 32, 4)
 script, with the machine.
 
 Usage: python experiments/benchmarks/moe_layer.py [--shapes T,D,F,E,K;...]
-       [--loads uniform,zipf] [--rounds 5] [--no-hf] [--out OUT.json]
+       [--loads uniform,zipf] [--rounds 5] [--no-hf] [--block mixtral] [--out OUT.json]
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from aristax import MoE, MoEConfig
 from aristax.pallas_kernels.moe_mlp import api as moe_mlp_api
 
 SHAPES = "4096,512,1024,8,2;4096,512,256,32,4;4096,512,128,64,8"
+BLOCKS = ("mixtral", "gpt_oss", "llama4_text")
 
 
 def machine() -> dict:
@@ -72,15 +80,17 @@ def weights(T, D, F, E, load: str, seed: int = 0) -> dict[str, np.ndarray]:
     return {k: v.astype(np.float32) for k, v in w.items()}
 
 
-def aristax_step(w, K, fused: bool = True):
-    """nnx.jit(value_and_grad) of the aristax.MoE layer holding ``w``. ``fused=False``:
-    compiled here with the layer's fused default off (``moe_mlp.api.LAYER_DEFAULT``)."""
-    (D, E), F = w["router"].shape, w["gate"].shape[2]
-    layer = MoE(MoEConfig(num_experts=E, top_k=K, d_model=D, d_ff=F, normalize_weights=True),
-                rngs=nnx.Rngs(0))
-    layer.router.weight_de.set_value(jnp.asarray(w["router"]))
-    for name, key in (("gate_edf", "gate"), ("up_edf", "up"), ("down_efd", "down")):
-        getattr(layer.experts, name).set_value(jnp.asarray(w[key]))
+def aristax_step(w, K, fused: bool = True, layer: MoE | None = None):
+    """nnx.jit(value_and_grad) of the aristax.MoE layer holding ``w`` (or of ``layer``,
+    e.g. ``MoE.from_hf`` of a block, on x = w["x"]). ``fused=False``: compiled here
+    with the layer's fused default off (``moe_mlp.api.LAYER_DEFAULT``)."""
+    if layer is None:
+        (D, E), F = w["router"].shape, w["gate"].shape[2]
+        layer = MoE(MoEConfig(num_experts=E, top_k=K, d_model=D, d_ff=F,
+                              normalize_weights=True), rngs=nnx.Rngs(0))
+        layer.router.weight_de.set_value(jnp.asarray(w["router"]))
+        for name, key in (("gate_edf", "gate"), ("up_edf", "up"), ("down_efd", "down")):
+            getattr(layer.experts, name).set_value(jnp.asarray(w[key]))
 
     def step(layer, x):
         def loss(layer, x):
@@ -162,46 +172,81 @@ def gshard_step(w, K):
     return lambda: step(params, x)
 
 
-def hf_step(w, K, implementation: str):
-    """HF MixtralSparseMoeBlock (transformers 5) forward + backward, or None when torch
-    or transformers is missing."""
+def hf_block(kind: str, w, K: int, implementation: str):
+    """The transformers 5 MoE block ``kind`` ("mixtral": ``MixtralSparseMoeBlock``;
+    "gpt_oss": ``GptOssMLP``, clamped SwiGLU with expert biases; "llama4_text":
+    ``Llama4TextMoe``, input-side weights and a shared expert) with experts
+    implementation ``implementation`` (Llama 4's experts have one: a bmm over all
+    experts), float32, or None when torch or transformers is missing. Mixtral holds
+    ``w``'s weights; the others draw theirs (N(0, 1/fan-in), biases N(0, 0.01)) with
+    ``w``'s router row 0 (the Zipf load's skew)."""
     try:
         import torch
-        from transformers import MixtralConfig
-        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+        import transformers
     except ImportError:
         return None
-    torch.set_num_threads(os.cpu_count())
     (D, E), F = w["router"].shape, w["gate"].shape[2]
-    cfg = MixtralConfig(hidden_size=D, intermediate_size=F, num_local_experts=E,
-                        num_experts_per_tok=K, experts_implementation=implementation)
-    block = MixtralSparseMoeBlock(cfg).float()
+    common = dict(hidden_size=D, intermediate_size=F, num_local_experts=E,
+                  num_experts_per_tok=K)
+    if kind == "mixtral":
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+        block = MixtralSparseMoeBlock(transformers.MixtralConfig(
+            **common, experts_implementation=implementation)).float()
+        with torch.no_grad():
+            block.gate.weight.copy_(torch.from_numpy(w["router"].T.copy()))
+            block.experts.gate_up_proj.copy_(torch.from_numpy(np.concatenate(
+                [w["gate"], w["up"]], axis=2).transpose(0, 2, 1).copy()))
+            block.experts.down_proj.copy_(torch.from_numpy(w["down"].transpose(0, 2, 1).copy()))
+        return block
+    if kind == "gpt_oss":
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+        block = GptOssMLP(transformers.GptOssConfig(
+            **common, experts_implementation=implementation)).float()
+    elif kind == "llama4_text":
+        from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
+        block = Llama4TextMoe(transformers.Llama4TextConfig(
+            **common, intermediate_size_mlp=F)).float()
+    else:
+        raise ValueError(f"--block {kind!r}: choose one of {BLOCKS}")
+    gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        block.gate.weight.copy_(torch.from_numpy(w["router"].T.copy()))
-        block.experts.gate_up_proj.copy_(torch.from_numpy(np.concatenate(
-            [w["gate"], w["up"]], axis=2).transpose(0, 2, 1).copy()))
-        block.experts.down_proj.copy_(torch.from_numpy(w["down"].transpose(0, 2, 1).copy()))
+        for name, param in block.named_parameters():
+            scale = 0.1 if "bias" in name else param.shape[1] ** -0.5
+            param.copy_(torch.randn(param.shape, generator=gen) * scale)
+        block.router.weight[:, 0] = torch.from_numpy(w["router"][0])
+    return block
+
+
+def hf_step(block, w):
+    """Forward + backward of the HF block on x = w["x"] (the loss: the sum of y)."""
+    import torch
+    torch.set_num_threads(os.cpu_count())
     x = torch.from_numpy(w["x"]).unsqueeze(0).requires_grad_()
 
     def step():
         block.zero_grad(set_to_none=True)
         x.grad = None
-        block(x).sum().backward()
+        out = block(x)
+        (out[0] if isinstance(out, tuple) else out).sum().backward()
     return step
 
 
-def bench(T, D, F, E, K, load, rounds, with_hf) -> dict:
+def bench(T, D, F, E, K, load, rounds, with_hf, block: str = "mixtral") -> dict:
     w = weights(T, D, F, E, load)
-    steps = {"aristax.MoE": aristax_step(w, K),
-             "aristax.MoE unfused": aristax_step(w, K, fused=False),
+    layer = None
+    if block != "mixtral":  # the layer computing the HF block, from its weights
+        layer = MoE.from_hf(hf_block(block, w, K, "eager"), rngs=nnx.Rngs(0))
+    steps = {"aristax.MoE": aristax_step(w, K, layer=layer),
+             "aristax.MoE unfused": aristax_step(w, K, fused=False, layer=layer),
              "dense_mlp (ceiling)": dense_step(w, K),
-             "dense_mlp_expert_shape": dense_step(w, K, expert_shape=True),
-             "gshard_einsum": gshard_step(w, K)}
+             "dense_mlp_expert_shape": dense_step(w, K, expert_shape=True)}
+    if block == "mixtral":  # GShard's einsum layer is Mixtral's routing and experts
+        steps["gshard_einsum"] = gshard_step(w, K)
     if with_hf:
-        for impl in ("eager", "grouped_mm"):
-            step = hf_step(w, K, impl)
-            if step is not None:
-                steps[f"hf_{impl}"] = step
+        for impl in ("eager",) if block == "llama4_text" else ("eager", "grouped_mm"):
+            hf = hf_block(block, w, K, impl)
+            if hf is not None:
+                steps[f"hf_{impl}"] = hf_step(hf, w)
     for step in steps.values():  # compile and warm up
         jax.block_until_ready(step())
     times = {name: [] for name in steps}
@@ -215,11 +260,12 @@ def bench(T, D, F, E, K, load, rounds, with_hf) -> dict:
             jax.block_until_ready(step())
             times[name].append(time.perf_counter() - t0)
     ours = np.array(times["aristax.MoE"])
-    row = {"shape": dict(T=T, D=D, F=F, E=E, K=K), "load": load, "rounds": rounds,
+    row = {"block": block, "shape": dict(T=T, D=D, F=F, E=E, K=K), "load": load,
+           "rounds": rounds,
            "median_ms": {n: 1e3 * float(np.median(t)) for n, t in times.items()},
            "ours_over": {n: float(np.median(ours / np.array(t)))
                          for n, t in times.items() if n != "aristax.MoE"}}
-    print(f"T{T} D{D} F{F} E{E} K{K} {load:7s} " + "  ".join(
+    print(f"{block} T{T} D{D} F{F} E{E} K{K} {load:7s} " + "  ".join(
         f"{n} {ms:7.0f} ms" for n, ms in row["median_ms"].items()))
     print("    aristax time over: " + "  ".join(f"{n} x{r:.2f}" for n, r in row["ours_over"].items()))
     return row
@@ -231,16 +277,20 @@ def main() -> None:
     parser.add_argument("--loads", default="uniform,zipf")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--block", default="mixtral", choices=BLOCKS,
+                        help="the HF block computed (and its peers)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    name = "moe_layer" if args.block == "mixtral" else f"moe_layer_{args.block}"
     out = Path(args.out or Path(__file__).resolve().parent / "results"
-               / f"moe_layer_{jax.default_backend()}.json")
+               / f"{name}_{jax.default_backend()}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"machine": machine(), "dtype": "float32", "rows": []}
     for shape in args.shapes.split(";"):
         T, D, F, E, K = (int(v) for v in shape.split(","))
         for load in args.loads.split(","):
-            result["rows"].append(bench(T, D, F, E, K, load, args.rounds, not args.no_hf))
+            result["rows"].append(bench(T, D, F, E, K, load, args.rounds, not args.no_hf,
+                                        args.block))
             out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
 

@@ -11,11 +11,17 @@ A backend is a module in this folder (the protocol of ``frontdoor``) with
   ``backward_tiles(tiles)``: the ``ragged_dot`` tiles of its backward GEMMs;
 and its backward runs on the backends of the same name of ``ragged_dot`` and
 ``permute``, unless the backend has a backward of its own:
-  ``forward(...)`` (moe_mlp's arguments) -> (y, saved) and
-  ``backward(residuals, saved, dy, *, activation, tiles, interpret)`` -> the
-      gradients, residuals being (x, sort_order, weights, group_sizes, num_valid, gate,
-      up, down) as the forward took them ("xla" does: its tile loops gather and
-      scatter themselves and save the pre-activations).
+  ``forward(x, sort_order, weights, group_sizes, num_valid, gate, up, down, biases, *,
+      mlp, tiles, interpret)`` -> (y, saved) and
+  ``backward(residuals, saved, dy, *, mlp, tiles, interpret)`` -> the gradients of the
+      residuals (x, sort_order, weights, group_sizes, num_valid, gate, up, down,
+      biases) as the forward took them ("xla" does: its tile loops gather and
+      scatter themselves and save the pre-activations), ``mlp`` a
+      ``reference.ExpertMlp`` and biases (gate [E, F], up [E, F], down [E, D], each
+      or None).
+Options beyond the plain MLP (``reference.EXTRAS``: "relu", "clamped_swiglu",
+"expert_bias", "input_weights") reach only a backend that lists them in its
+``EXTRAS`` (it needs a backward of its own); the others are passed over for them.
 "reference" is the unfused composition under plain JAX autodiff.
 
 The backward of a kernel backend (``_kernel_bwd``) is unfused and runs on the
@@ -73,10 +79,13 @@ def _shape(arr) -> str:
 
 
 def _validate(x, sort_order, weights, group_sizes, gate_edf, up_edf, down_efd,
-              activation, num_valid) -> None:
+              activation, num_valid, biases, weight_side) -> None:
     """ValueError naming the argument and the expected shape or value."""
-    if activation not in reference.ACTIVATIONS:
-        _fail("activation", f"one of {reference.ACTIVATIONS}", repr(activation))
+    activations = reference.ACTIVATIONS + reference.OTHER_ACTIVATIONS
+    if activation not in activations:
+        _fail("activation", f"one of {activations}", repr(activation))
+    if weight_side not in ("output", "input"):
+        _fail("weight_side", "'output' or 'input'", repr(weight_side))
     if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
         _fail("x", "a floating [T, D] array", _shape(x))
     (T, D) = x.shape
@@ -100,31 +109,44 @@ def _validate(x, sort_order, weights, group_sizes, gate_edf, up_edf, down_efd,
         _fail("gate_edf", f"[E, D, F] = [{E}, {D}, {F}] for {activation!r}",
               None if gate_edf is None else _shape(gate_edf))
     if not gated and gate_edf is not None:
-        _fail("gate_edf", "None for 'gelu'", _shape(gate_edf))
+        _fail("gate_edf", f"None for {activation!r}", _shape(gate_edf))
+    for name, bias, shape in zip(("gate_bias_ef", "up_bias_ef", "down_bias_ed"), biases,
+                                 ((E, F), (E, F), (E, D))):
+        if bias is not None and bias.shape != shape:
+            _fail(name, f"None or [{', '.join(map(str, shape))}]", _shape(bias))
+    if biases[0] is not None and not gated:
+        _fail("gate_bias_ef", f"None for {activation!r} (no gate projection)",
+              _shape(biases[0]))
     if num_valid is not None and jnp.shape(num_valid) not in ((), (1,)):
         _fail("num_valid", "a scalar or None", f"shape {jnp.shape(num_valid)}")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12))
-def _kernel_moe_mlp(x, sort_order, weights, group_sizes, nv, gate, up, down,
-                    name, activation, interpret, tiles, precision):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13))
+def _kernel_moe_mlp(x, sort_order, weights, group_sizes, nv, gate, up, down, biases,
+                    name, mlp, interpret, tiles, precision):
     """y [T, D] float32 by backend ``name``'s fused kernels. ``precision``:
     ``frontdoor.matmul_precision()`` at the call, for the backward."""
     del precision  # the forward is traced in the caller's context
-    return BACKENDS[name].moe_mlp(x, sort_order, weights, group_sizes, nv, gate, up, down,
-                                  activation=activation, tiles=tiles, interpret=interpret)
+    residuals = (x, sort_order, weights, group_sizes, nv, gate, up, down, biases)
+    return _forward(name, mlp, interpret, tiles, residuals)[0]
 
 
-def _kernel_fwd(x, sort_order, weights, group_sizes, nv, gate, up, down,
-                name, activation, interpret, tiles, precision):
-    residuals = (x, sort_order, weights, group_sizes, nv, gate, up, down)
+def _forward(name, mlp, interpret, tiles, residuals):
+    """(y, what the backend's own backward reads, or None) of backend ``name``."""
     backend = BACKENDS[name]
     if hasattr(backend, "backward"):  # saves what its own backward reads
-        y, saved = backend.forward(*residuals, activation=activation, tiles=tiles,
-                                   interpret=interpret)
-        return y, (residuals, saved)
-    y = _kernel_moe_mlp(*residuals, name, activation, interpret, tiles, precision)
-    return y, (residuals, None)
+        return backend.forward(*residuals, mlp=mlp, tiles=tiles, interpret=interpret)
+    # the kernels compute the plain MLP alone (fused_backend and moe_mlp pick by EXTRAS)
+    return backend.moe_mlp(*residuals[:-1], activation=mlp.activation, tiles=tiles,
+                           interpret=interpret), None
+
+
+def _kernel_fwd(x, sort_order, weights, group_sizes, nv, gate, up, down, biases,
+                name, mlp, interpret, tiles, precision):
+    del precision
+    residuals = (x, sort_order, weights, group_sizes, nv, gate, up, down, biases)
+    y, saved = _forward(name, mlp, interpret, tiles, residuals)
+    return y, (residuals, saved)
 
 
 def _gemms(name: str, group_sizes, tiles, interpret: bool):
@@ -152,16 +174,17 @@ def _assignment_values(values, sort_order, shape):
     return jnp.zeros_like(values).at[sort_order].set(values).reshape(shape)
 
 
-def _kernel_bwd(name, activation, interpret, tiles, precision, residuals, dy):
-    """Gradients for x, weights, gate, up, down (module docstring); None for the
-    integer arguments. Traced at the forward call's matmul precision."""
+def _kernel_bwd(name, mlp, interpret, tiles, precision, residuals, dy):
+    """Gradients for x, weights, gate, up, down and the biases (module docstring); None
+    for the integer arguments. Traced at the forward call's matmul precision."""
     residuals, saved = residuals
     with jax.default_matmul_precision(precision):
         backend = BACKENDS[name]
         if hasattr(backend, "backward"):
-            return backend.backward(residuals, saved, dy, activation=activation,
-                                    tiles=tiles, interpret=interpret)
-        return _kernel_grads(name, activation, interpret, tiles, residuals, dy)
+            return backend.backward(residuals, saved, dy, mlp=mlp, tiles=tiles,
+                                    interpret=interpret)
+        return _kernel_grads(name, mlp.activation, interpret, tiles, residuals[:-1], dy) + (
+            residuals[-1],)  # the biases: all None here
 
 
 def _kernel_grads(name, activation, interpret, tiles, residuals, dy):
@@ -195,16 +218,24 @@ def _kernel_grads(name, activation, interpret, tiles, residuals, dy):
 _kernel_moe_mlp.defvjp(_kernel_fwd, _kernel_bwd)
 
 
+def extras_of(name: str) -> frozenset[str]:
+    """The ``reference.EXTRAS`` backend ``name`` computes (its ``EXTRAS``; none when it
+    declares none): "reference" all, "xla" all, the GPU kernels none."""
+    return frozenset(getattr(BACKENDS[name], "EXTRAS", ()))
+
+
 def fused_backend(implementation: frontdoor.Implementation, x, weights, up_edf, *,
-                  interpret: bool | None = None) -> str | None:
+                  interpret: bool | None = None,
+                  extras: frozenset[str] = frozenset()) -> str | None:
     """The kernel backend ``moe_mlp`` would run for ``implementation``, or None.
 
     For ``implementation=None``: ``LAYER_DEFAULT``'s backend for the platform if it
     serves (the CPU: "xla"), else None (callers keep their unfused path). None also
-    when "reference" comes before any kernel that serves, or every kernel refuses.
-    Names that this op does not register but ``ragged_dot`` does (e.g. "mosaic_gpu")
-    are skipped; others raise ValueError. x [T, D], weights [T, K], up_edf [E, D, F]
-    as in ``moe_mlp``.
+    when "reference" comes before any kernel that serves, or every kernel refuses or
+    lacks one of ``extras`` (``ExpertMlp.extras``: what the call asks beyond the plain
+    MLP). Names that this op does not register but ``ragged_dot`` does (e.g.
+    "mosaic_gpu") are skipped; others raise ValueError. x [T, D], weights [T, K],
+    up_edf [E, D, F] as in ``moe_mlp``.
     """
     if implementation is None:
         implementation = LAYER_DEFAULT.get(jax.default_backend())
@@ -216,12 +247,26 @@ def fused_backend(implementation: frontdoor.Implementation, x, weights, up_edf, 
     for name in (n for n in names if n in BACKENDS):
         if name == "reference":
             return None
+        if not extras <= extras_of(name):
+            continue
         try:
             BACKENDS[name].check(x, weights, up_edf, interpret=interpret)
         except NotImplementedError:
             continue
         return name
     return None
+
+
+def _computing(names: list[str], extras: frozenset[str]) -> list[str]:
+    """The backends of ``names`` that compute ``extras``; NotImplementedError naming
+    what is missing when none does."""
+    kept = [n for n in names if extras <= extras_of(n)]
+    if not kept:
+        raise NotImplementedError(
+            f"{OP}: no backend in {names} computes {sorted(extras)} (only "
+            f"{[n for n in BACKENDS if extras <= extras_of(n)]} do); add 'reference' to "
+            f"the list or use the plain MLP")
+    return kept
 
 
 def moe_mlp(
@@ -235,31 +280,45 @@ def moe_mlp(
     *,
     activation: str,
     num_valid: jax.Array | int | None = None,
+    gate_bias_ef: jax.Array | None = None,
+    up_bias_ef: jax.Array | None = None,
+    down_bias_ed: jax.Array | None = None,
+    weight_side: str = "output",
+    swiglu_limit: float = 7.0,
+    swiglu_alpha: float = 1.702,
     implementation: frontdoor.Implementation = None,
     interpret: bool | None = None,
     tiles: Any = None,
 ) -> jax.Array:
     """The routed experts of the dropless MoE, from tokens to the combined output.
 
-    rows[m] = x[sort_order[m] // K] (expert order); h = act(rows @ gate[e],
-    rows @ up[e]) per expert group; out_rows = h @ down[e];
-    y[t] = sum_k weights[t, k] * out_rows[row of assignment t*K + k]. Rows at or past
-    ``num_valid`` contribute nothing. Equals ``aristax.moe``'s dropless path
-    (permute -> expert_mlp -> combine), casts included.
+    rows[m] = x[sort_order[m] // K] (expert order); h = act(rows @ gate[e] + bg[e],
+    rows @ up[e] + bu[e]) per expert group; out_rows = h @ down[e] + bd[e];
+    y[t] = sum_k weights[t, k] * out_rows[row of assignment t*K + k] (with
+    ``weight_side="input"``: rows[m] scaled by its assignment's weight instead, and
+    y[t] the plain sum). Rows at or past ``num_valid`` contribute nothing. Equals
+    ``aristax.moe``'s dropless path (permute -> expert_mlp -> combine), casts included.
 
     Args:
       x: [T, D] tokens in the compute dtype. sort_order: int[T*K] flat assignment of each
-        row in expert order (``route``). weights: [T, K] combine weights.
+        row in expert order (``route``). weights: [T, K] routing weights.
       group_sizes: int[E] rows per expert.
-      gate_edf: [E, D, F] ("swiglu", "geglu") or None ("gelu"). up_edf: [E, D, F].
-        down_efd: [E, F, D]. Cast to x's dtype (their gradients flow back through
-        the cast).
-      activation: "swiglu" | "geglu" | "gelu" (exact erf GELU).
+      gate_edf: [E, D, F] ("swiglu", "geglu", "clamped_swiglu") or None ("gelu",
+        "relu"). up_edf: [E, D, F]. down_efd: [E, F, D]. Cast to x's dtype (their
+        gradients flow back through the cast).
+      activation: "swiglu" | "geglu" | "gelu" (exact erf GELU) on every backend;
+        "relu" | "clamped_swiglu" (GPT-OSS: ``aristax.experts``) on those with these
+        ``EXTRAS`` ("xla", "reference").
       num_valid: routed rows (default ``sum(group_sizes)``).
+      gate_bias_ef, up_bias_ef: [E, F]; down_bias_ed: [E, D]: expert biases (GPT-OSS),
+        or None. weight_side: "output" (default) or "input" (Llama 4). Both, like the
+        last two activations, are ``EXTRAS`` that only some backends compute.
+      swiglu_limit, swiglu_alpha: "clamped_swiglu"'s clamp and sigmoid slope.
       implementation: backend name or ordered list ("triton", "mosaic_gpu", "xla",
         "reference"); None = the platform default ("triton" then "reference" on GPU:
         at the Mixtral shape, T 4096, on an H200 forward and backward took 35 ms on
-        Triton and 65 ms on Mosaic GPU, ``gpu_check.py``; "xla" on CPU).
+        Triton and 65 ms on Mosaic GPU, ``gpu_check.py``; "xla" on CPU). Backends that
+        do not compute the call's ``EXTRAS`` are skipped.
       interpret: Pallas interpret mode; None = iff the default backend is the CPU
         (pass False to lower the real kernels, e.g. under ``jax.export``).
       tiles: the backend's tiles (``MoeMlpTiles`` for "triton", ``MosaicMoeMlpTiles``
@@ -267,20 +326,25 @@ def moe_mlp(
         (heuristics).
     Returns:
       y [T, D] in the accumulation dtype (float32; float64 for float64 inputs).
-      Differentiable in x, weights, gate_edf, up_edf and down_efd.
+      Differentiable in x, weights, the expert weights and the biases.
     """
+    biases = (gate_bias_ef, up_bias_ef, down_bias_ed)
     _validate(x, sort_order, weights, group_sizes, gate_edf, up_edf, down_efd,
-              activation, num_valid)
+              activation, num_valid, biases, weight_side)
+    mlp = reference.ExpertMlp(activation, float(swiglu_limit), float(swiglu_alpha),
+                              weight_side == "input")
     gate, up, down = (None if w is None else w.astype(x.dtype)
                       for w in (gate_edf, up_edf, down_efd))
     sort_order, group_sizes = sort_order.astype(jnp.int32), group_sizes.astype(jnp.int32)
-    names = frontdoor.candidates(OP, BACKENDS, DEFAULT_ORDER, implementation)
+    names = _computing(frontdoor.candidates(OP, BACKENDS, DEFAULT_ORDER, implementation),
+                       mlp.extras(any(b is not None for b in biases)))
     interpret = frontdoor.resolve_interpret(interpret)
     name = frontdoor.choose(OP, BACKENDS, names, x, weights, up, interpret=interpret)
     if name == "reference":
         return reference.moe_mlp(x, sort_order, weights, group_sizes, gate, up, down,
-                                 activation=activation, num_valid=num_valid)
+                                 mlp=mlp, biases=biases, num_valid=num_valid)
     nv = reference.valid_rows(num_valid, group_sizes)
-    operands = vary_alike(x, sort_order, weights, group_sizes, nv, gate, up, down)
-    return _kernel_moe_mlp(*operands, name, activation, interpret, frontdoor.tiles_for(tiles, name),
-                           frontdoor.matmul_precision())
+    *operands, gb, ub, db = vary_alike(x, sort_order, weights, group_sizes, nv, gate, up, down,
+                                       *biases)
+    return _kernel_moe_mlp(*operands, (gb, ub, db), name, mlp, interpret,
+                           frontdoor.tiles_for(tiles, name), frontdoor.matmul_precision())

@@ -26,12 +26,17 @@ one loop per tile size, trip counts traced. So each expert's weights are sliced 
 (XLA:CPU copies a dynamic slice before a dot) and, in the backward, its weight
 gradients are accumulated in the loop and written once.
 
-Forward, per tile of expert e (accumulation in float32, float64 for float64 x):
-  rows = x[tok];  gate, up = rows @ gate[e], rows @ up[e];  h = act(gate, up)
-  y[tok] += weights.flat[assignment] * (h.astype(x.dtype) @ down[e])
-with the pre-activations saved per padded row (one [P, F] array each for gate and up:
-no concatenation per tile). The backward runs the same tiles and the same formulas as
-``api._kernel_grads`` (its docstring), with dx scatter-added per token.
+Forward, per tile of expert e (accumulation in float32, float64 for float64 x), with
+w = weights.flat[assignment] and the optional biases bg, bu, bd:
+  rows = x[tok];  gate, up = rows @ gate[e] + bg[e], rows @ up[e] + bu[e]
+  h = act(gate, up);  y[tok] += w * (h.astype(x.dtype) @ down[e] + bd[e])
+(with input-side weights, ``ExpertMlp.input_weights``: rows = w * x[tok] and y[tok] +=
+the output unweighted), with the pre-activations saved per padded row (one [P, F]
+array each for gate and up: no concatenation per tile). The backward runs the same
+tiles and the formulas of ``api._kernel_grads`` (its docstring) extended to the
+biases and input weights (``backward``), with dx scatter-added per token. It computes
+every option of the unfused expert MLP (``EXTRAS``): all five activations, expert
+biases and input-side weights.
 
 Measured against the tile-major loops before (one loop per tile size over all groups,
 one [P, 2F] array saved): a layer's forward + backward on the 2-core Xeon VM took
@@ -54,6 +59,10 @@ from aristax.pallas_kernels.ragged_dot.xla import (
     SMALL_PRODUCT, XlaTiles, group_bounds, resolve_tiles,
 )
 from aristax.pallas_kernels.tiling import on_auto_axes, row_spec, varying_like
+
+
+# The options beyond the plain MLP that this backend computes (``api.extras_of``): all.
+EXTRAS = reference.EXTRAS
 
 
 def check(x: jax.Array, weights: jax.Array, up_edf: jax.Array, *,
@@ -156,28 +165,38 @@ def _dot(a, b, contract: tuple[int, int], acc):
                            preferred_element_type=acc)
 
 
-def moe_mlp(x, sort_order, weights, group_sizes, num_valid, gate_edf, up_edf, down_efd, *,
-            activation: str, tiles=None, interpret: bool = False) -> jax.Array:
+def _biases_at(biases, g, acc) -> tuple:
+    """Each bias's row g in the accumulation dtype (None stays None)."""
+    return tuple(None if b is None else _at(b, g).astype(acc) for b in biases)
+
+
+def _plus(a, b):
+    return a if b is None else a + b
+
+
+def moe_mlp(x, sort_order, weights, group_sizes, num_valid, gate_edf, up_edf, down_efd,
+            biases=(None, None, None), *, mlp, tiles=None, interpret: bool = False):
     """y [T, D] in the accumulation dtype (``forward`` without its residuals)."""
     return forward(x, sort_order, weights, group_sizes, num_valid, gate_edf, up_edf,
-                   down_efd, activation=activation, tiles=tiles, interpret=interpret)[0]
+                   down_efd, biases, mlp=mlp, tiles=tiles, interpret=interpret)[0]
 
 
-def forward(x, sort_order, weights, group_sizes, num_valid, gate_edf, up_edf, down_efd, *,
-            activation: str, tiles=None, interpret: bool = False):
+def forward(x, sort_order, weights, group_sizes, num_valid, gate_edf, up_edf, down_efd,
+            biases=(None, None, None), *, mlp, tiles=None, interpret: bool = False):
     """(y [T, D] accumulation dtype, saved: the pre-activations per padded row, one
     [P, F] array each for gate (when there is one) and up).
 
     Args as ``api.moe_mlp``: x [T, D]; sort_order int32[M]; weights [T, K];
     group_sizes int32[E]; num_valid int32[]; gate_edf [E, D, F] or None; up_edf
-    [E, D, F]; down_efd [E, F, D] (all in x's dtype); tiles XlaTiles or None.
+    [E, D, F]; down_efd [E, F, D] (all in x's dtype); biases (gate [E, F], up [E, F],
+    down [E, D], each or None); mlp ``reference.ExpertMlp``; tiles XlaTiles or None.
     """
     del interpret
     (T, D), (E, _, F), M = x.shape, up_edf.shape, sort_order.shape[0]
     tiles = _tiles_for(tiles, M, D, F, E)
     n_pre = 1 if gate_edf is None else 2
 
-    def run(x, sort_order, weights, group_sizes, num_valid, gate, up, down):
+    def run(x, sort_order, weights, group_sizes, num_valid, gate, up, down, biases):
         acc = accumulation_dtype(x.dtype)
         zeros = lambda shape: varying_like(jnp.zeros(shape, acc), x)  # noqa: E731
         y = zeros((T, D))
@@ -191,16 +210,21 @@ def forward(x, sort_order, weights, group_sizes, num_valid, gate_edf, up_edf, do
         def group(i, carry):
             g = sched.order[i]
             mats, down_g = tuple(_at(m, g) for m in _mats(gate, up)), _at(down, g)
+            gate_b, up_b, down_b = _biases_at(biases, g, acc)
+            pre_b = (up_b,) if gate is None else (gate_b, up_b)
 
             def tile(lo, size, carry):
                 y, saved = carry
                 ids, tok = _rows_of_tile(sched, g, lo, size, order, num_valid,
                                          weights.shape[1], T)
                 rows = jnp.take(x, tok, axis=0, mode="fill", fill_value=0)
-                pre = tuple(_dot(rows, m, (1, 0), acc) for m in mats)
-                h = reference.hidden_of(pre, activation).astype(x.dtype)
-                w = jnp.take(w_flat, ids, mode="fill", fill_value=0)
-                y = y.at[tok].add(_dot(h, down_g, (1, 0), acc) * w[:, None], mode="drop")
+                w = jnp.take(w_flat, ids, mode="fill", fill_value=0)[:, None]
+                if mlp.input_weights:
+                    rows = (rows.astype(acc) * w).astype(x.dtype)
+                pre = tuple(_plus(_dot(rows, m, (1, 0), acc), b) for m, b in zip(mats, pre_b))
+                h = mlp.hidden(pre).astype(x.dtype)
+                out = _plus(_dot(h, down_g, (1, 0), acc), down_b)
+                y = y.at[tok].add(out if mlp.input_weights else out * w, mode="drop")
                 saved = tuple(lax.dynamic_update_slice_in_dim(s, p, lo, 0)
                               for s, p in zip(saved, pre))
                 return y, saved
@@ -208,29 +232,38 @@ def forward(x, sort_order, weights, group_sizes, num_valid, gate_edf, up_edf, do
         return lax.fori_loop(0, sched.count, group, (y, saved))
 
     return on_auto_axes(run, x, sort_order, weights, group_sizes, num_valid, gate_edf,
-                        up_edf, down_efd,
+                        up_edf, down_efd, biases,
                         out_sharding=lambda: (row_spec(x), (P(),) * n_pre))
 
 
-def backward(residuals, saved, dy, *, activation: str, tiles=None, interpret: bool = False):
-    """Gradients (dx, None, dweights, None, None, dgate, dup, ddown) for dy [T, D].
+def backward(residuals, saved, dy, *, mlp, tiles=None, interpret: bool = False):
+    """Gradients (dx, None, dweights, None, None, dgate, dup, ddown, dbiases) for
+    dy [T, D].
 
-    residuals: (x, sort_order, weights, group_sizes, num_valid, gate, up, down) as the
-    forward took them; saved: its pre-activations (``forward``). dx in x's dtype,
-    dweights in weights', the weight gradients in the weights' dtypes (dgate None
-    without a gate).
+    residuals: (x, sort_order, weights, group_sizes, num_valid, gate, up, down, biases)
+    as the forward took them; saved: its pre-activations (``forward``). dx in x's
+    dtype, dweights in weights', the weight and bias gradients in their dtypes (None
+    for those that are None). Per tile, with w the rows' weights, r the expert's input
+    rows (w * x rows with ``mlp.input_weights``) and w_o = w (1 with input weights):
+      gh = dy_rows @ down^T;  dh = w_o gh;  dpre = act'(pre) dh;  dr = sum_i dpre_i W_i^T
+      ddown += h^T (w_o dy_rows), dbd += sum(w_o dy_rows), dW_i += r^T dpre_i,
+      db_i += sum(dpre_i); output weights: dw = <h, gh> + <dy_rows, bd>, dx += dr;
+      input weights: dw = <dr, x rows>, dx += w dr.
     """
     del interpret
-    x, sort_order, weights, group_sizes, nv, gate_edf, up_edf, down_efd = residuals
+    x, sort_order, weights, group_sizes, nv, gate_edf, up_edf, down_efd, biases = residuals
     (T, D), (E, _, F), M, K = x.shape, up_edf.shape, sort_order.shape[0], weights.shape[1]
     tiles = _tiles_for(tiles, M, D, F, E)
     mats_in = _mats(gate_edf, up_edf)
+    bias_in = biases[1:] if gate_edf is None else biases  # like mats, then down's
 
-    def run(x, sort_order, weights, group_sizes, nv, saved, dy, down, *mats):
+    def run(x, sort_order, weights, group_sizes, nv, saved, dy, down, mats, bias_in):
         dtype, acc = x.dtype, accumulation_dtype(x.dtype)
         zeros = lambda shape: varying_like(jnp.zeros(shape, acc), x, dy)  # noqa: E731
-        grads = (zeros((T, D)), zeros((T * K,)), zeros(down.shape),
-                 tuple(zeros(m.shape) for m in mats))
+        zeros_like = lambda arrays: tuple(  # noqa: E731
+            None if a is None else zeros(a.shape) for a in arrays)
+        grads = (zeros((T, D)), zeros((T * K,)), zeros(down.shape), zeros_like(mats),
+                 zeros_like(bias_in))
         if 0 not in (T, D, F, E, M):
             sched = schedules(group_sizes, M, tiles)
             order = jnp.pad(sort_order, (0, tiles.block_m))
@@ -238,41 +271,66 @@ def backward(residuals, saved, dy, *, activation: str, tiles=None, interpret: bo
             dy = dy.astype(acc)
 
             def group(i, grads):
-                dx, dw, ddown, dmats = grads
+                dx, dw, ddown, dmats, dbias = grads
                 g = sched.order[i]
                 mats_g, down_g = tuple(_at(m, g) for m in mats), _at(down, g)
+                bias_g = _biases_at(bias_in, g, acc)
 
                 def tile(lo, size, carry):
-                    dx, dw, ddown_g, dmats_g = carry
+                    dx, dw, ddown_g, dmats_g, dbias_g = carry
                     ids, tok = _rows_of_tile(sched, g, lo, size, order, nv, K, T)
                     rows = jnp.take(x, tok, axis=0, mode="fill", fill_value=0)
+                    w = jnp.take(w_flat, ids, mode="fill", fill_value=0)[:, None]
+                    x_rows = rows
+                    if mlp.input_weights:
+                        rows = (rows.astype(acc) * w).astype(dtype)
                     pre = tuple(lax.dynamic_slice_in_dim(s, lo, size) for s in saved)
-                    h, act_vjp = reference.hidden_vjp(pre, activation)
+                    h, act_vjp = reference.hidden_vjp(pre, mlp.activation, limit=mlp.limit,
+                                                      alpha=mlp.alpha)
                     h = h.astype(dtype)
                     dy_rows = jnp.take(dy, tok, axis=0, mode="fill", fill_value=0)
-                    w = jnp.take(w_flat, ids, mode="fill", fill_value=0)[:, None]
+                    dout = dy_rows if mlp.input_weights else w * dy_rows
                     gh = _dot(dy_rows.astype(dtype), down_g, (1, 1), acc)  # [size, F]
-                    dw = dw.at[ids].set(jnp.sum(h.astype(acc) * gh, axis=1), mode="drop")
-                    ddown_g = ddown_g + _dot(h, (w * dy_rows).astype(dtype), (0, 0), acc)
-                    d_pre = [d.astype(dtype) for d in act_vjp((w * gh).astype(dtype).astype(acc))]
+                    ddown_g = ddown_g + _dot(h, dout.astype(dtype), (0, 0), acc)
+                    dh = gh if mlp.input_weights else w * gh
+                    # h entered the down GEMM in the compute dtype
+                    d_pre = [d.astype(dtype) for d in act_vjp(dh.astype(dtype).astype(acc))]
                     drows = sum(_dot(d, m, (1, 1), acc) for d, m in zip(d_pre, mats_g))
+                    if mlp.input_weights:
+                        drows = drows.astype(dtype).astype(acc)
+                        dw_rows = jnp.sum(drows * x_rows.astype(acc), axis=1)
+                        drows = w * drows
+                    else:
+                        dw_rows = jnp.sum(h.astype(acc) * gh, axis=1)
+                        if bias_g[-1] is not None:
+                            dw_rows = dw_rows + jnp.sum(dy_rows * bias_g[-1], axis=1)
+                    dw = dw.at[ids].set(dw_rows, mode="drop")
                     dx = dx.at[tok].add(drows, mode="drop")
                     dmats_g = tuple(dm + _dot(rows, d, (0, 0), acc)
                                     for dm, d in zip(dmats_g, d_pre))
-                    return dx, dw, ddown_g, dmats_g
-                dx, dw, ddown_g, dmats_g = _group_tiles_run(
+                    sums = [jnp.sum(d.astype(acc), axis=0) for d in d_pre] + [
+                        jnp.sum(dout, axis=0)]
+                    dbias_g = tuple(None if db is None else db + s
+                                    for db, s in zip(dbias_g, sums))
+                    return dx, dw, ddown_g, dmats_g, dbias_g
+                dx, dw, ddown_g, dmats_g, dbias_g = _group_tiles_run(
                     sched, tiles, g, tile,
-                    (dx, dw, zeros(down_g.shape), tuple(zeros(m.shape) for m in mats_g)))
-                return (dx, dw, lax.dynamic_update_index_in_dim(ddown, ddown_g, g, 0),
-                        tuple(lax.dynamic_update_index_in_dim(dm, d, g, 0)
-                              for dm, d in zip(dmats, dmats_g)))
+                    (dx, dw, zeros(down_g.shape), zeros_like(mats_g), zeros_like(bias_g)))
+                put = lambda full, one: (  # noqa: E731
+                    None if full is None else lax.dynamic_update_index_in_dim(full, one, g, 0))
+                return (dx, dw, put(ddown, ddown_g), tuple(map(put, dmats, dmats_g)),
+                        tuple(map(put, dbias, dbias_g)))
             grads = lax.fori_loop(0, sched.count, group, grads)
-        dx, dw, ddown, dmats = grads
+        dx, dw, ddown, dmats, dbias = grads
+        cast = lambda ds, like: tuple(  # noqa: E731
+            None if d is None else d.astype(a.dtype) for d, a in zip(ds, like))
         return (dx.astype(dtype), dw.reshape(weights.shape).astype(weights.dtype),
-                ddown.astype(down.dtype), tuple(d.astype(m.dtype) for d, m in zip(dmats, mats)))
+                ddown.astype(down.dtype), cast(dmats, mats), cast(dbias, bias_in))
 
-    dx, dw, ddown, dmats = on_auto_axes(
-        run, x, sort_order, weights, group_sizes, nv, saved, dy, down_efd, *mats_in,
-        out_sharding=lambda: (row_spec(x), row_spec(weights), P(), tuple(P() for _ in mats_in)))
-    dgate, dup = (None, dmats[0]) if gate_edf is None else dmats
-    return dx, None, dw, None, None, dgate, dup, ddown
+    dx, dw, ddown, dmats, dbias = on_auto_axes(
+        run, x, sort_order, weights, group_sizes, nv, saved, dy, down_efd, mats_in, bias_in,
+        out_sharding=lambda: (row_spec(x), row_spec(weights), P(), tuple(P() for _ in mats_in),
+                              tuple(None if b is None else P() for b in bias_in)))
+    if gate_edf is None:
+        dmats, dbias = (None,) + dmats, (None,) + dbias
+    return (dx, None, dw, None, None, *dmats, ddown, dbias)

@@ -325,7 +325,12 @@ def test_backend_choice_and_fallback(name, monkeypatch):
     "change, match",
     [
         (dict(implementation="nope"), "implementation"),
-        (dict(activation="relu"), "activation must be one of"),
+        (dict(activation="tanh"), "activation must be one of"),
+        (dict(weight_side="both"), "weight_side must be 'output' or 'input'"),
+        (dict(up_bias_ef=jnp.zeros((3, 3))), r"up_bias_ef must be None or \[3, 5\]"),
+        (dict(down_bias_ed=jnp.zeros((3, 5))), r"down_bias_ed must be None or \[3, 3\]"),
+        (dict(activation="relu", gate_edf=None, gate_bias_ef=jnp.zeros((3, 5))),
+         "gate_bias_ef must be None for 'relu'"),
         (dict(x=jnp.zeros((4,))), r"x must be a floating \[T, D\]"),
         (dict(x=jnp.zeros((4, 3), jnp.int32)), r"x must be a floating \[T, D\]"),
         (dict(weights=jnp.zeros((5, 2))), r"weights must be .*\[T, K\] = \[4, K\]"),

@@ -183,15 +183,22 @@ def test_vmap_of_value_and_grad_equals_each_problem():
 @pytest.mark.parametrize("options, fused", [
     (dict(), True),
     (dict(activation="geglu", num_shared_experts=1), True),
-    (dict(activation="relu"), False),             # an activation the op does not take
-    (dict(expert_bias=True), False),              # expert biases
-    (dict(weight_side="input"), False),           # Llama 4's input-side weights
+    (dict(activation="relu", weight_side="input"), True),        # Switch / Llama 4
+    (dict(activation="clamped_swiglu", expert_bias=True, swiglu_limit=0.6,
+          swiglu_alpha=1.3), True),                               # GPT-OSS (clamps bite)
+    (dict(activation="gelu", expert_bias=True, weight_side="input", num_shared_experts=1),
+     True),
+    # a kernel named that lacks an option is passed over: for the next, or unfused
+    (dict(expert_bias=True, implementation=("triton", "xla")), True),
+    (dict(activation="relu", implementation=("triton", "reference")), False),
     (dict(capacity_factor=0.75), False),          # not dropless
 ])
 def test_layer_default_runs_the_fused_loop_where_it_serves(options, fused, monkeypatch):
-    """aristax.moe with implementation=None on the CPU runs the "xla" fused loop (or
-    the unfused path for what it does not compute) and equals implementation=
-    "reference": output, aux and gradients of x and every parameter."""
+    """aristax.moe with implementation=None (or the names given) on the CPU runs the
+    "xla" fused loop, or the unfused path where it does not serve, and equals
+    implementation="reference": output, aux and gradients of x and every parameter."""
+    options = dict(options)
+    implementation = options.pop("implementation", None)
     cfg = MoEConfig(num_experts=4, top_k=2, d_model=16, d_ff=24, **options)
     rng = np.random.default_rng(11)
     params = MoEParams(**{name: None if shape is None else jnp.asarray(
@@ -208,7 +215,7 @@ def test_layer_default_runs_the_fused_loop_where_it_serves(options, fused, monke
             return jnp.sum(jnp.square(y)) + aux["loss"], (y, aux)
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, params)
 
-    got = value_and_grads(None)
+    got = value_and_grads(implementation)
     assert calls == ([1] if fused else [])
     want = value_and_grads("reference")
     for leaf, ref in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
@@ -230,3 +237,129 @@ def test_numpy_operands_run_eagerly():
                 implementation="xla")
     want, _ = numpy_swiglu(x, order, weights, sizes, None, gate, up, down, np.zeros_like(x))
     np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5)
+
+
+def numpy_mlp(x, order, weights, sizes, nv, gate, up, down, biases, activation, input_weights,
+              limit=7.0, alpha=1.702):
+    """y of the general expert MLP by a loop over the routed rows (float64, NumPy):
+    the activations written out from their papers' formulas, biases per expert, the
+    weight on the input row or on the output."""
+    from scipy.special import erf  # noqa: PLC0415 (the exact GELU)
+    x, weights = np.asarray(x, np.float64), np.asarray(weights, np.float64)
+    T, K = weights.shape
+    gb, ub, db = (None if b is None else np.asarray(b, np.float64) for b in biases)
+    expert = np.repeat(np.arange(len(sizes)), sizes)
+    y = np.zeros_like(x)
+    for m in range(int(nv)):
+        s, e = int(order[m]), expert[m]
+        t, w = s // K, weights.flat[s]
+        a = w * x[t] if input_weights else x[t]
+        u = a @ np.asarray(up[e], np.float64) + (0 if ub is None else ub[e])
+        g = None if gate is None else a @ np.asarray(gate[e], np.float64) + (
+            0 if gb is None else gb[e])
+        sig = lambda v: 1 / (1 + np.exp(-v))  # noqa: E731
+        gelu = lambda v: 0.5 * v * (1 + erf(v / np.sqrt(2)))  # noqa: E731
+        h = {"swiglu": lambda: g * sig(g) * u, "geglu": lambda: gelu(g) * u,
+             "gelu": lambda: gelu(u), "relu": lambda: np.maximum(u, 0),
+             "clamped_swiglu": lambda: (np.clip(u, -limit, limit) + 1)
+             * np.minimum(g, limit) * sig(alpha * np.minimum(g, limit))}[activation]()
+        o = h @ np.asarray(down[e], np.float64) + (0 if db is None else db[e])
+        y[t] += o if input_weights else w * o
+    return y
+
+
+EXTRA_CASES = [  # (activation, expert biases, weight side)
+    ("clamped_swiglu", True, "output"),  # GPT-OSS
+    ("relu", False, "input"),
+    ("swiglu", True, "input"),
+    ("gelu", True, "output"),
+    ("geglu", False, "input"),           # Llama 4 uses swiglu; every activation runs
+]
+
+
+def extra_operands(shape, activation, biased, seed, dtype=jnp.float32):
+    T, D, F, E, K = shape
+    rng = np.random.default_rng(seed)
+    normal = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.5, dtype)  # noqa: E731
+    gated = activation not in ("gelu", "relu")
+    ops = dict(x=normal(T, D) * 2, weights=jnp.asarray(rng.uniform(0.1, 1, (T, K)), dtype),
+               gate=normal(E, D, F) if gated else None, up=normal(E, D, F), down=normal(E, F, D),
+               biases=(normal(E, F) if biased and gated else None,
+                       normal(E, F) if biased else None, normal(E, D) if biased else None))
+    return ops, jnp.asarray(rng.standard_normal((T, D)), dtype), rng
+
+
+def extras_vjp(implementation, activation, side, limit):
+    def f(x, weights, gate, up, down, biases, order, sizes, nv, dy):
+        def op(x, weights, gate, up, down, biases):
+            return moe_mlp(x, order, weights, sizes, gate, up, down, activation=activation,
+                           num_valid=nv, gate_bias_ef=biases[0], up_bias_ef=biases[1],
+                           down_bias_ed=biases[2], weight_side=side, swiglu_limit=limit,
+                           swiglu_alpha=1.3, implementation=implementation,
+                           tiles=XlaTiles(16, 8) if implementation == "xla" else None)
+        y, pullback = jax.vjp(op, x, weights, gate, up, down, biases)
+        return y, pullback(dy)
+    return jax.jit(f)
+
+
+@pytest.mark.parametrize("activation, biased, side", EXTRA_CASES)
+def test_extras_equal_numpy_and_the_reference_gradients(activation, biased, side):
+    """The options the GPU kernels do not compute (ReLU, GPT-OSS's clamped SwiGLU,
+    expert biases, input-side weights) on the fused loop: y equals a NumPy loop over
+    the routed rows, and y with the gradients of x, weights, every weight and bias
+    equal autodiff of the unfused reference composition, on every hard routing."""
+    T, D, F, E, K = shape = (37, 12, 20, 5, 2)
+    ops, dy, rng = extra_operands(shape, activation, biased, seed=len(activation))
+    limit = 0.8  # small: the clamps bite on these values
+    got_fn, want_fn = (extras_vjp(n, activation, side, limit) for n in ("xla", "reference"))
+    for case, (order, sizes, nv) in routings(T, E, K, rng).items():
+        args = (*ops.values(), order, sizes, nv, dy)
+        got, want = got_fn(*args), want_fn(*args)
+        y_np = numpy_mlp(ops["x"], order, ops["weights"], sizes, nv, ops["gate"], ops["up"],
+                         ops["down"], ops["biases"], activation, side == "input", limit, 1.3)
+        np.testing.assert_allclose(np.asarray(got[0]), y_np, rtol=1e-4, atol=1e-4,
+                                   err_msg=case)
+        gated = ops["gate"] is not None  # y, 4 or 5 weights' and 0, 2 or 3 biases' grads
+        assert len(jax.tree.leaves(got)) == len(jax.tree.leaves(want)) == (
+            5 + gated + biased * (2 + gated))
+        for i, (a, b) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want))):
+            scale = max(1.0, float(np.abs(b).max(initial=0.0)))
+            np.testing.assert_allclose(np.asarray(a), b, rtol=1e-4, atol=1e-5 * scale,
+                                       err_msg=f"{case}: leaf {i}")
+
+
+def test_extras_gradients_equal_central_differences_in_float64():
+    """In float64, the fused loop's gradient with every option on (clamped SwiGLU,
+    biases, input-side weights) along a random direction equals central differences
+    of its own forward: a check independent of any autodiff."""
+    T, D, F, E, K = shape = (19, 6, 8, 3, 2)
+    with jax.enable_x64(True):
+        ops, dy, rng = extra_operands(shape, "clamped_swiglu", True, seed=3, dtype=jnp.float64)
+        order, sizes, nv = routings(T, E, K, rng)["random"]
+        fn = extras_vjp("xla", "clamped_swiglu", "input", 0.8)
+        y, grads = fn(*ops.values(), order, sizes, nv, dy)
+        primals = tuple(ops.values())
+        direction = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape)), primals)
+        eps = 1e-6
+        moved = [fn(*jax.tree.map(lambda a, d: a + sign * eps * d, primals, direction),
+                    order, sizes, nv, dy)[0] for sign in (1, -1)]
+        numeric = jnp.sum(dy * (moved[0] - moved[1])) / (2 * eps)
+        analytic = sum(jnp.sum(g * d) for g, d in zip(jax.tree.leaves(grads),
+                                                        jax.tree.leaves(direction)))
+        np.testing.assert_allclose(analytic, numeric, rtol=1e-6)
+
+
+def test_extras_bfloat16_follow_the_reference():
+    """bf16 tokens and parameters with biases and input-side weights: the loop rounds
+    where the unfused composition does (rows, h and the biases' sums)."""
+    T, D, F, E, K = shape = (29, 16, 24, 4, 2)
+    ops, dy, rng = extra_operands(shape, "swiglu", True, seed=9, dtype=jnp.bfloat16)
+    order, sizes, nv = routings(T, E, K, rng)["random"]
+    args = (*ops.values(), order, sizes, nv, dy.astype(jnp.float32))
+    got = extras_vjp("xla", "swiglu", "input", 7.0)(*args)
+    want = extras_vjp("reference", "swiglu", "input", 7.0)(*args)
+    for i, (a, b) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want))):
+        assert a.dtype == b.dtype, i
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        scale = max(1.0, float(np.abs(b).max()))
+        np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2 * scale, err_msg=f"leaf {i}")
