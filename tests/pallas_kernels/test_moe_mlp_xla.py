@@ -152,9 +152,13 @@ def test_float64_values_and_gradients():
             np.testing.assert_allclose(np.asarray(a), b, rtol=1e-10, atol=1e-10)
 
 
-def test_vmap_of_value_and_grad_equals_each_problem():
+@pytest.mark.parametrize("options", [
+    dict(activation="swiglu"),
+    dict(activation="clamped_swiglu", swiglu_limit=0.8, weight_side="input",
+         gate_bias_ef=0.3, up_bias_ef=-0.2, down_bias_ed=0.1)], ids=["plain", "extras"])
+def test_vmap_of_value_and_grad_equals_each_problem(options):
     """Per-problem routings under jax.vmap (batched trip counts) give each problem's
-    own result."""
+    own result, with and without the options beyond the plain MLP."""
     T, D, F, E, K, B = 17, 8, 12, 4, 2, 3
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((B, T, D)), jnp.float32)
@@ -164,10 +168,12 @@ def test_vmap_of_value_and_grad_equals_each_problem():
     lay = [layout(np.stack([rng.permutation(E)[:K] for _ in range(T)]), E)[:2]
            for _ in range(B)]
     order, sizes = (jnp.asarray(np.stack(a)) for a in zip(*lay))
+    options = {k: jnp.asarray(rng.standard_normal((E, D if k == "down_bias_ed" else F)) * v,
+                              jnp.float32) if k.endswith(("_ef", "_ed")) else v
+               for k, v in options.items()}
 
     def loss(x, weights, gate, up, down, order, sizes):
-        y = moe_mlp(x, order, weights, sizes, gate, up, down, activation="swiglu",
-                    implementation="xla")
+        y = moe_mlp(x, order, weights, sizes, gate, up, down, implementation="xla", **options)
         return jnp.sum(y * y)
     fn = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))
     batched = jax.jit(jax.vmap(fn, in_axes=(0, 0, None, None, None, 0, 0)))(
