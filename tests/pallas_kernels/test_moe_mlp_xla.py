@@ -114,10 +114,15 @@ def value_and_grads(x, order, weights, sizes, nv, gate, up, down, dy, tiles):
     return y, pullback(dy)
 
 
+@pytest.mark.parametrize("joined", [True, False], ids=["joined-wgrad", "split-wgrad"])
 @pytest.mark.parametrize("tiles", [None, XlaTiles(32, 8)], ids=["default", "tiles32-16-8"])
 @pytest.mark.parametrize("shape", [(53, 24, 40, 6, 2), (29, 16, 24, 4, 4)],
                          ids=["odd", "K=E"])
-def test_equals_numpy_on_hard_routings(shape, tiles):
+def test_equals_numpy_on_hard_routings(shape, tiles, joined, monkeypatch):
+    """Both forms of the backward's gate/up weight gradients (one [D, 2F] product per
+    tile up to ``JOINED_WGRAD_MAX_F``, two [D, F] ones above)."""
+    monkeypatch.setattr(xla, "JOINED_WGRAD_MAX_F", 1 << 20 if joined else 0)
+    jax.clear_caches()  # traces of the other form
     T, D, F, E, K = shape
     rng = np.random.default_rng(T)
     x = rng.standard_normal((T, D)).astype(np.float32)
