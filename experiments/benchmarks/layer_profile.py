@@ -22,8 +22,9 @@ contraction over both operands' rows) report less than they run: at E 8 the weig
 gradients' [512, 512]^T @ [512, 1024] dots added up to over 800 GFLOP/s, twice the 2
 cores' peak, so ``gemm`` is a lower bound.
 
-A wall-time measure beside it (``gemm_floor``): the fused loop's nine expert GEMMs
-per tile alone, on the tiles its schedule cuts for this routing's group sizes, with
+A wall-time measure beside it (``gemm_floor``): the fused loop's expert GEMMs per
+tile (nine; eight, one of them wider, where it joins gate's and up's weight gradients)
+alone, on the tiles its schedule cuts for this routing's group sizes, with
 contiguous rows and nothing else (no gather, activation, scatter, saved array or
 routing). ``non_gemm_share`` = 1 - floor / the step's wall time is what everything
 but the expert GEMMs costs, measured on the clock.
@@ -123,7 +124,8 @@ def gemm_floor_step(w, K: int):
       forward   g = r @ gate[e], u = r @ up[e], o = g @ down[e]
       backward  gh = dy @ down[e]^T, ddown[e] += g^T @ dy,
                 dr = gh @ gate[e]^T + u @ up[e]^T, dgate[e] += r^T @ gh, dup[e] += r^T @ u
-    (g, u and gh stand in for h and the pre-activations' gradients: same shapes)."""
+    (g, u and gh stand in for h and the pre-activations' gradients: same shapes; the
+    last two as one r^T @ [gh | u] where the loop joins them, F <= JOINED_WGRAD_MAX_F)."""
     (D, E), F = w["router"].shape, w["gate"].shape[2]
     T = w["x"].shape[0]
     top = np.argsort(-(w["x"] @ w["router"]), axis=1, kind="stable")[:, :K]
@@ -135,6 +137,7 @@ def gemm_floor_step(w, K: int):
     rows, dy = (jnp.asarray(rng.standard_normal((P, D)), jnp.float32) for _ in range(2))
     mats = tuple(jnp.asarray(w[k]) for k in ("gate", "up", "down"))
     dot = lambda a, b, c: lax.dot_general(a, b, ((c[:1], c[1:]), ((), ())))  # noqa: E731
+    joined = F <= moe_mlp_xla.JOINED_WGRAD_MAX_F
 
     @jax.jit
     def step(sizes, rows, dy, mats):
@@ -151,10 +154,14 @@ def gemm_floor_step(w, K: int):
                 gh = dot(d, down, (1, 1))
                 dr = dot(gh, gate, (1, 1)) + dot(u, up, (1, 1))
                 out = out + jnp.sum(dot(g, down, (1, 0))) + jnp.sum(dr)
-                grads = tuple(a + b for a, b in zip(grads, (
-                    dot(g, d, (0, 0)), dot(r, gh, (0, 0)), dot(r, u, (0, 0)))))
+                if joined:  # the loop's one [D, 2F] product (its JOINED_WGRAD_MAX_F)
+                    wgrads = (dot(g, d, (0, 0)), dot(r, jnp.concatenate([gh, u], 1), (0, 0)))
+                else:
+                    wgrads = (dot(g, d, (0, 0)), dot(r, gh, (0, 0)), dot(r, u, (0, 0)))
+                grads = tuple(a + b for a, b in zip(grads, wgrads))
                 return out, grads
-            zero = (jnp.zeros((F, D)), jnp.zeros((D, F)), jnp.zeros((D, F)))
+            zero = (jnp.zeros((F, D)),) + (((jnp.zeros((D, 2 * F)),) if joined else
+                                            (jnp.zeros((D, F)), jnp.zeros((D, F)))))
             out, grads = moe_mlp_xla._group_tiles_run(sched, tiles, e, tile,
                                                       (jnp.zeros(()), zero))
             return total + out + sum(jnp.sum(a) for a in grads)
