@@ -242,7 +242,7 @@ class MoEConfig:
       implementation: backend name or ordered list of names for
         ``aristax.pallas_kernels`` ops, each falling back to the reference where none
         serves. None: the plain router; on the CPU the dropless experts run the fused
-        "xla" ``moe_mlp`` loop (0.61-0.72x the unfused layer's time,
+        "xla" ``moe_mlp`` loop (0.60-0.72x the unfused layer's time,
         ``experiments/benchmarks/moe_layer.py``), on a GPU the plain dispatch and
         combine and the grouped GEMMs on ``ragged_dot``'s platform default (Mosaic GPU,
         Triton, then the reference); the fused ``route`` runs only when a kernel is

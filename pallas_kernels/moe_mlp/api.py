@@ -65,7 +65,7 @@ DEFAULT_ORDER: dict[str, tuple[str, ...]] = {
 }
 # What ``fused_backend(None, ...)`` (the MoE layer's default, ``implementation=None``)
 # runs per platform; elsewhere the layer stays unfused. On the CPU the fused "xla"
-# loop took 0.61-0.72x the unfused layer's time (experiments/benchmarks/moe_layer.py);
+# loop took 0.60-0.72x the unfused layer's time (experiments/benchmarks/moe_layer.py);
 # on a GPU the unfused layer was the fastest (gpu_check.py).
 LAYER_DEFAULT: dict[str, str] = {"cpu": "xla"}
 

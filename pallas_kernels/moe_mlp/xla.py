@@ -13,7 +13,7 @@ reads [M, D] and [M, F] arrays between its steps, each a pass over memory (and i
 first-touch page faults) on a CPU; here a tile's rows, pre-activations and outputs
 stay in cache between its GEMMs, and only the tile's [b, F] pre-activations are
 saved for the backward. On the project's 2-core Xeon VM a whole layer's forward +
-backward took 0.61-0.72x the unfused path's time (experiments/benchmarks/moe_layer.py).
+backward took 0.60-0.72x the unfused path's time (experiments/benchmarks/moe_layer.py).
 
 Schedule (``schedules``, ``group_tiles``): each group's n rows padded to
 q = ceil(n / a) * a rows, the padded groups laid end to end (group g from
