@@ -36,8 +36,8 @@ from aristax.pallas_kernels.ragged_dot import reference as ragged_dot_ref
 
 ACTIVATIONS = ("swiglu", "geglu", "gelu")  # every moe_mlp backend's
 GATED = ("swiglu", "geglu", "clamped_swiglu")  # those with a gate projection
-# What ``hidden`` computes besides (the backends with ``EXTRAS`` "relu" and
-# "clamped_swiglu" too, and "reference").
+# The activations beyond ACTIVATIONS: ``hidden``'s, and the backends' that list them
+# in their ``EXTRAS`` (with expert biases and input-side weights).
 OTHER_ACTIVATIONS = ("relu", "clamped_swiglu")
 EXTRAS = frozenset(OTHER_ACTIVATIONS + ("expert_bias", "input_weights"))
 
@@ -66,6 +66,10 @@ class ExpertMlp(NamedTuple):
     def hidden(self, pre: tuple[jax.Array, ...]) -> jax.Array:
         """``hidden_of`` with this MLP's activation and parameters."""
         return hidden_of(pre, self.activation, limit=self.limit, alpha=self.alpha)
+
+    def hidden_vjp(self, pre: tuple[jax.Array, ...]):
+        """``hidden_vjp`` with this MLP's activation and parameters."""
+        return hidden_vjp(pre, self.activation, limit=self.limit, alpha=self.alpha)
 
 
 def hidden(gate: jax.Array | None, up: jax.Array, activation: str, *,

@@ -293,8 +293,7 @@ def backward(residuals, saved, dy, *, mlp, tiles=None, interpret: bool = False):
                     if mlp.input_weights:
                         rows = (rows.astype(acc) * w).astype(dtype)
                     pre = tuple(lax.dynamic_slice_in_dim(s, lo, size) for s in saved)
-                    h, act_vjp = reference.hidden_vjp(pre, mlp.activation, limit=mlp.limit,
-                                                      alpha=mlp.alpha)
+                    h, act_vjp = mlp.hidden_vjp(pre)
                     h = h.astype(dtype)
                     dy_rows = jnp.take(dy, tok, axis=0, mode="fill", fill_value=0)
                     dout = dy_rows if mlp.input_weights else w * dy_rows
