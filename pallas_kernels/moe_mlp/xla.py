@@ -181,6 +181,11 @@ def _plus(a, b):
     return a if b is None else a + b
 
 
+def _add(accs: tuple, terms) -> tuple:
+    """accs + terms elementwise (None accumulators stay None)."""
+    return tuple(None if a is None else a + t for a, t in zip(accs, terms))
+
+
 def moe_mlp(x, sort_order, weights, group_sizes, num_valid, gate_edf, up_edf, down_efd,
             biases=(None, None, None), *, mlp, tiles=None, interpret: bool = False):
     """y [T, D] in the accumulation dtype (``forward`` without its residuals)."""
@@ -243,19 +248,53 @@ def forward(x, sort_order, weights, group_sizes, num_valid, gate_edf, up_edf, do
                         out_sharding=lambda: (row_spec(x), (P(),) * n_pre))
 
 
+def _tile_grads(mlp: reference.ExpertMlp, x_rows, w, pre, dy_rows, mats, down, down_bias, *,
+                joined: bool):
+    """One tile's terms of ``backward`` from its x rows [s, D] (x's dtype), weights
+    w [s, 1], saved pre-activations [s, F] each, dy rows [s, D] and its expert's mats,
+    down and down bias [D] (or None), in the accumulation dtype of dy_rows:
+    (dx rows [s, D], dweights [s], ddown [F, D], dmats (one [D, 2F] when ``joined``,
+    else one [D, F] per mat), dbias (one [F] per pre-activation, then [D])). With r
+    the expert's input rows (w * x rows with ``mlp.input_weights``) and w_o = w (1
+    with input weights):
+      gh = dy_rows @ down^T;  dh = w_o gh;  dpre = act'(pre) dh;  dr = sum_i dpre_i W_i^T
+      ddown = h^T (w_o dy_rows), dbd = sum(w_o dy_rows), dW_i = r^T dpre_i,
+      db_i = sum(dpre_i); output weights: dw = <h, gh> + <dy_rows, bd>, dx rows = dr;
+      input weights: dw = <dr, x rows>, dx rows = w dr.
+    """
+    dtype, acc = x_rows.dtype, dy_rows.dtype
+    rows = (x_rows.astype(acc) * w).astype(dtype) if mlp.input_weights else x_rows
+    h, act_vjp = mlp.hidden_vjp(pre)
+    h = h.astype(dtype)
+    dout = dy_rows if mlp.input_weights else w * dy_rows
+    gh = _dot(dy_rows.astype(dtype), down, (1, 1), acc)  # [s, F]
+    dh = gh if mlp.input_weights else w * gh
+    # h entered the down GEMM in the compute dtype
+    d_pre = [d.astype(dtype) for d in act_vjp(dh.astype(dtype).astype(acc))]
+    drows = sum(_dot(d, m, (1, 1), acc) for d, m in zip(d_pre, mats))
+    if mlp.input_weights:
+        drows = drows.astype(dtype).astype(acc)
+        dw, drows = jnp.sum(drows * x_rows.astype(acc), axis=1), w * drows
+    else:
+        dw = jnp.sum(h.astype(acc) * gh, axis=1)
+        if down_bias is not None:
+            dw = dw + jnp.sum(dy_rows * down_bias, axis=1)
+    if joined:  # one [D, 2F] product: wider, faster on narrow F
+        dmats = (_dot(rows, jnp.concatenate(d_pre, axis=1), (0, 0), acc),)
+    else:
+        dmats = tuple(_dot(rows, d, (0, 0), acc) for d in d_pre)
+    dbias = [jnp.sum(d.astype(acc), axis=0) for d in d_pre] + [jnp.sum(dout, axis=0)]
+    return drows, dw, _dot(h, dout.astype(dtype), (0, 0), acc), dmats, dbias
+
+
 def backward(residuals, saved, dy, *, mlp, tiles=None, interpret: bool = False):
     """Gradients (dx, None, dweights, None, None, dgate, dup, ddown, dbiases) for
-    dy [T, D].
+    dy [T, D], summed over the forward's tiles (``_tile_grads``).
 
     residuals: (x, sort_order, weights, group_sizes, num_valid, gate, up, down, biases)
     as the forward took them; saved: its pre-activations (``forward``). dx in x's
     dtype, dweights in weights', the weight and bias gradients in their dtypes (None
-    for those that are None). Per tile, with w the rows' weights, r the expert's input
-    rows (w * x rows with ``mlp.input_weights``) and w_o = w (1 with input weights):
-      gh = dy_rows @ down^T;  dh = w_o gh;  dpre = act'(pre) dh;  dr = sum_i dpre_i W_i^T
-      ddown += h^T (w_o dy_rows), dbd += sum(w_o dy_rows), dW_i += r^T dpre_i,
-      db_i += sum(dpre_i); output weights: dw = <h, gh> + <dy_rows, bd>, dx += dr;
-      input weights: dw = <dr, x rows>, dx += w dr.
+    for those that are None).
     """
     del interpret
     x, sort_order, weights, group_sizes, nv, gate_edf, up_edf, down_efd, biases = residuals
@@ -282,52 +321,25 @@ def backward(residuals, saved, dy, *, mlp, tiles=None, interpret: bool = False):
                 dx, dw, ddown, dmats, dbias = grads
                 g = sched.order[i]
                 mats_g, down_g = tuple(_at(m, g) for m in mats), _at(down, g)
-                bias_g = _biases_at(bias_in, g, acc)
+                down_bias_g = _biases_at(bias_in[-1:], g, acc)[0]
 
                 def tile(lo, size, carry):
                     dx, dw, ddown_g, dmats_g, dbias_g = carry
                     ids, tok = _rows_of_tile(sched, g, lo, size, order, nv, K, T)
-                    rows = jnp.take(x, tok, axis=0, mode="fill", fill_value=0)
-                    w = jnp.take(w_flat, ids, mode="fill", fill_value=0)[:, None]
-                    x_rows = rows
-                    if mlp.input_weights:
-                        rows = (rows.astype(acc) * w).astype(dtype)
-                    pre = tuple(lax.dynamic_slice_in_dim(s, lo, size) for s in saved)
-                    h, act_vjp = mlp.hidden_vjp(pre)
-                    h = h.astype(dtype)
-                    dy_rows = jnp.take(dy, tok, axis=0, mode="fill", fill_value=0)
-                    dout = dy_rows if mlp.input_weights else w * dy_rows
-                    gh = _dot(dy_rows.astype(dtype), down_g, (1, 1), acc)  # [size, F]
-                    ddown_g = ddown_g + _dot(h, dout.astype(dtype), (0, 0), acc)
-                    dh = gh if mlp.input_weights else w * gh
-                    # h entered the down GEMM in the compute dtype
-                    d_pre = [d.astype(dtype) for d in act_vjp(dh.astype(dtype).astype(acc))]
-                    drows = sum(_dot(d, m, (1, 1), acc) for d, m in zip(d_pre, mats_g))
-                    if mlp.input_weights:
-                        drows = drows.astype(dtype).astype(acc)
-                        dw_rows = jnp.sum(drows * x_rows.astype(acc), axis=1)
-                        drows = w * drows
-                    else:
-                        dw_rows = jnp.sum(h.astype(acc) * gh, axis=1)
-                        if bias_g[-1] is not None:
-                            dw_rows = dw_rows + jnp.sum(dy_rows * bias_g[-1], axis=1)
-                    dw = dw.at[ids].set(dw_rows, mode="drop")
-                    dx = dx.at[tok].add(drows, mode="drop")
-                    if joined:  # one [D, 2F] product: wider, faster on narrow F
-                        dmats_g = (dmats_g[0] + _dot(rows, jnp.concatenate(d_pre, axis=1),
-                                                     (0, 0), acc),)
-                    else:
-                        dmats_g = tuple(dm + _dot(rows, d, (0, 0), acc)
-                                        for dm, d in zip(dmats_g, d_pre))
-                    sums = [jnp.sum(d.astype(acc), axis=0) for d in d_pre] + [
-                        jnp.sum(dout, axis=0)]
-                    dbias_g = tuple(None if db is None else db + s
-                                    for db, s in zip(dbias_g, sums))
-                    return dx, dw, ddown_g, dmats_g, dbias_g
+                    drows, dw_rows, ddown_t, dmats_t, dbias_t = _tile_grads(
+                        mlp, jnp.take(x, tok, axis=0, mode="fill", fill_value=0),
+                        jnp.take(w_flat, ids, mode="fill", fill_value=0)[:, None],
+                        tuple(lax.dynamic_slice_in_dim(s, lo, size) for s in saved),
+                        jnp.take(dy, tok, axis=0, mode="fill", fill_value=0),
+                        mats_g, down_g, down_bias_g, joined=joined)
+                    return (dx.at[tok].add(drows, mode="drop"),
+                            dw.at[ids].set(dw_rows, mode="drop"), ddown_g + ddown_t,
+                            _add(dmats_g, dmats_t), _add(dbias_g, dbias_t))
                 dx, dw, ddown_g, dmats_g, dbias_g = _group_tiles_run(
                     sched, tiles, g, tile,
                     (dx, dw, zeros(down_g.shape),
-                     (zeros((D, 2 * F)),) if joined else zeros_like(mats_g), zeros_like(bias_g)))
+                     (zeros((D, 2 * F)),) if joined else zeros_like(mats_g),
+                     tuple(None if b is None else zeros(b.shape[1:]) for b in bias_in)))
                 if joined:
                     dmats_g = jnp.split(dmats_g[0], 2, axis=1)
                 put = lambda full, one: (  # noqa: E731
