@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from aristax.config import MoEConfig, accumulation_dtype
 from aristax.pallas_kernels import frontdoor, ragged_dot
 from aristax.pallas_kernels.ragged_dot import api as ragged_dot_api
+from aristax.pallas_kernels.ragged_dot.reference import row_groups
 from aristax.pallas_kernels.moe_mlp.reference import hidden
 
 # (gate [..., F] float32 or None, up [..., F] float32) -> hidden [..., F]
@@ -34,15 +35,6 @@ def activation_of(config: MoEConfig) -> Activation:
     """The experts' activation of ``config`` (its name and clamp parameters)."""
     return functools.partial(hidden, activation=config.activation,
                              limit=config.swiglu_limit, alpha=config.swiglu_alpha)
-
-
-def row_groups(group_sizes: jax.Array, num_rows: int) -> jax.Array:
-    """int32[M]: the group of each of M rows laid out group by group (``group_sizes``
-    int[G] consecutive from row 0); rows past the sum get G - 1."""
-    ends = jnp.cumsum(group_sizes, dtype=jnp.int32)
-    rows = jnp.arange(num_rows, dtype=jnp.int32)
-    return jnp.minimum(jnp.searchsorted(ends, rows, side="right"),
-                       group_sizes.shape[0] - 1).astype(jnp.int32)
 
 
 def expert_mlp(

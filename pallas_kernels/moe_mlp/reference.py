@@ -163,9 +163,7 @@ def moe_mlp(
     dtype = x.dtype
     acc = permute_ref.accumulation_dtype(dtype)
     nv = valid_rows(num_valid, group_sizes)
-    ends = jnp.cumsum(group_sizes, dtype=jnp.int32)
-    expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(sort_order.shape[0]), side="right"),
-                         group_sizes.shape[0] - 1)  # [M]: each row's group
+    expert = ragged_dot_ref.row_groups(group_sizes, sort_order.shape[0])  # [M]
 
     def gemm(lhs, rhs, bias):
         out = ragged_dot_ref.ragged_dot(lhs, rhs.astype(dtype), group_sizes,

@@ -13,8 +13,18 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from aristax.pallas_kernels.tiling import on_auto_axes, row_spec
+
+
+def row_groups(group_sizes: jax.Array, num_rows: int) -> jax.Array:
+    """int32[M]: the group of each of M rows laid out group by group (``group_sizes``
+    int[G] consecutive from row 0); rows past the sum get G - 1."""
+    ends = jnp.cumsum(group_sizes, dtype=jnp.int32)
+    rows = jnp.arange(num_rows, dtype=jnp.int32)
+    return jnp.minimum(jnp.searchsorted(ends, rows, side="right"),
+                       group_sizes.shape[0] - 1).astype(jnp.int32)
 
 
 def check(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_dtype, *,
