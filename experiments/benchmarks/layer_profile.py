@@ -22,15 +22,23 @@ contraction over both operands' rows) report less than they run: at E 8 the weig
 gradients' [512, 512]^T @ [512, 1024] dots added up to over 800 GFLOP/s, twice the 2
 cores' peak, so ``gemm`` is a lower bound.
 
-A wall-time measure beside it (``gemm_floor``): the fused loop's expert GEMMs per
-tile (nine; eight, one of them wider, where it joins gate's and up's weight gradients)
-alone, on the tiles its schedule cuts for this routing's group sizes, with
-contiguous rows and nothing else (no gather, activation, scatter, saved array or
-routing). ``non_gemm_share`` = 1 - floor / the step's wall time is what everything
-but the expert GEMMs costs, measured on the clock.
+Wall-time measures beside it, in interleaved rounds with the step(s) and the dense
+ceiling (``moe_layer.dense_step``):
+
+* ``gemm``: the fused loop's expert GEMMs per tile (nine; eight, one of them wider,
+  where it joins gate's and up's weight gradients) alone, on the tiles its schedule
+  cuts for this routing's group sizes, with contiguous rows and nothing else (no
+  gather, activation, scatter, saved array or routing). ``non_gemm_share`` = 1 - gemm /
+  the step's wall time is what everything but the expert GEMMs costs, on the clock.
+* ``routing``: the layer's step with the expert op stubbed out (router, softmax,
+  top-K, sort, aux loss and the loss, forward and backward).
+* ``movement``: the loop's token gathers and scatter-adds alone, on the same tiles.
+* ``floor`` = their sum: what the layer would cost with no overhead beyond the work
+  each part has to do, over the dense ceiling (``floor_over_dense``) and its own
+  non-GEMM share. Where these exceed 1.25x and 15%, no overhead cut reaches them.
 
 Usage: python experiments/benchmarks/layer_profile.py [--shapes T,D,F,E,K;...]
-       [--runs 3] [--unfused] [--out OUT.json]
+       [--runs 3] [--rounds 5] [--unfused] [--out OUT.json]
 """
 
 from __future__ import annotations
@@ -45,8 +53,10 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
+import contextlib  # noqa: E402
 import glob  # noqa: E402
 import gzip  # noqa: E402
+import importlib  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import shutil  # noqa: E402
@@ -108,15 +118,6 @@ def profile(step, runs: int, trace_dir: str) -> list[dict]:
     return [e for e in events if e.get("ph") == "X" and not e["name"].startswith(SKIP)]
 
 
-def wall_ms(step, calls: int = 5) -> float:
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        jax.block_until_ready(step())
-        times.append(time.perf_counter() - t0)
-    return 1e3 * float(np.median(times))
-
-
 def gemm_floor_step(w, K: int):
     """The fused loop's expert GEMMs alone (module docstring) for the top-K routing of
     ``w`` (``moe_layer.weights``): per tile of s rows of expert e, with r, dy
@@ -169,13 +170,95 @@ def gemm_floor_step(w, K: int):
     return lambda: step(sizes, rows, dy, mats)
 
 
-def row(label: str, make_step, runs: int) -> dict:
-    """The profile of the step ``make_step()`` returns (its HLO: the files it dumps)."""
+def routing_step(w, K: int):
+    """The layer's step (``moe_layer.aristax_step``) with the expert op stubbed out: y =
+    x * (the sum of each token's routing weights), one elementwise pass instead of the
+    fused loop, so router, softmax, top-K, sort, aux loss and the loss (forward and
+    backward) remain: what the layer costs around its experts."""
+    moe = importlib.import_module("aristax.moe")
+
+    def stub(x, sort_order, weights, group_sizes, *args, **kwargs):
+        return x * jnp.sum(weights, axis=1, keepdims=True).astype(x.dtype)
+
+    @contextlib.contextmanager
+    def stubbed():
+        real, moe.moe_mlp = moe.moe_mlp, stub
+        try:
+            yield
+        finally:
+            moe.moe_mlp = real
+    return moe_layer.aristax_step(w, K, traced_in=stubbed)
+
+
+def movement_step(w, K: int):
+    """The fused loop's token movement alone, on its tiles for the top-K routing of ``w``:
+    per tile of s rows, forward x rows gathered and y[tok] += w * rows; backward x and dy
+    rows gathered and dx[tok] += rows (the GEMMs, activation and routing left out)."""
+    (D, E), F = w["router"].shape, w["gate"].shape[2]
+    T = w["x"].shape[0]
+    top = np.argsort(-(w["x"] @ w["router"]), axis=1, kind="stable")[:, :K]
+    sizes = jnp.asarray(np.bincount(top.ravel(), minlength=E), jnp.int32)
+    order = jnp.asarray(np.argsort(top.ravel(), kind="stable"), jnp.int32)
+    M = T * K
+    tiles = moe_mlp_xla._tiles_for(None, M, D, F, E)
+    x, dy = (jnp.asarray(w["x"] + i) for i in range(2))
+    weights = jnp.ones((T, K), jnp.float32)
+
+    @jax.jit
+    def step(sizes, order, x, dy, weights):
+        sched = moe_mlp_xla.schedules(sizes, M, tiles)
+        padded = jnp.pad(order, (0, tiles.block_m))
+
+        def group(i, carry):
+            g = sched.order[i]
+
+            def tile(lo, size, carry):
+                y, dx = carry
+                ids, tok = moe_mlp_xla._rows_of_tile(sched, g, lo, size, padded, M, K, T)
+                take = lambda a: jnp.take(a, tok, axis=0, mode="fill", fill_value=0)  # noqa: E731
+                wt = jnp.take(weights.reshape(-1), ids, mode="fill", fill_value=0)[:, None]
+                y = y.at[tok].add(wt * take(x), mode="drop")
+                return y, dx.at[tok].add(take(x) + take(dy), mode="drop")
+            return moe_mlp_xla._group_tiles_run(sched, tiles, g, tile, carry)
+        return lax.fori_loop(0, sched.count, group, (jnp.zeros_like(x), jnp.zeros_like(x)))
+    return lambda: step(sizes, order, x, dy, weights)
+
+
+def interleaved_ms(steps: dict, rounds: int) -> dict[str, float]:
+    """Median wall time (ms) of each step over ``rounds`` interleaved rounds (each step
+    once per round, timed on the second of two back-to-back calls, as in
+    ``moe_layer.bench``): this VM's speed drifts by 10-20% within minutes."""
+    times = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            jax.block_until_ready(step())
+            t0 = time.perf_counter()
+            jax.block_until_ready(step())
+            times[name].append(time.perf_counter() - t0)
+    return {name: 1e3 * float(np.median(t)) for name, t in times.items()}
+
+
+def floors(w, K: int, layers: dict, rounds: int) -> dict:
+    """Interleaved wall times (ms) of the GEMM floor, the routing and the token movement
+    measured alone, the dense ceiling (``moe_layer.dense_step``) and the ``layers``
+    steps; ``floor``: the first three's sum (the layer with zero overhead beyond them),
+    ``floor_over_dense`` and the floor's own non-GEMM share (1 - gemm / floor)."""
+    steps = {"gemm": gemm_floor_step(w, K), "routing": routing_step(w, K),
+             "movement": movement_step(w, K), "dense": moe_layer.dense_step(w, K), **layers}
+    out = interleaved_ms(steps, rounds)
+    out["floor"] = out["gemm"] + out["routing"] + out["movement"]
+    out["floor_over_dense"] = out["floor"] / out["dense"]
+    out["floor_non_gemm_share"] = 1 - out["gemm"] / out["floor"]
+    return out
+
+
+def row(label: str, make_step, runs: int) -> tuple[dict, object]:
+    """The profile of the step ``make_step()`` returns (its HLO: the files it dumps), and
+    the step."""
     before = set(glob.glob(f"{DUMP}/*"))
     step = make_step()
     jax.block_until_ready(step())  # compiled by now (here, or ahead of time)
     dumped = set(glob.glob(f"{DUMP}/*")) - before
-    wall = wall_ms(step)
     trace_dir = tempfile.mkdtemp(prefix="layer_profile_trace_")
     try:
         events = profile(step, runs, trace_dir)
@@ -188,19 +271,20 @@ def row(label: str, make_step, runs: int) -> dict:
         by_class[classify(e["name"], op)] += e["dur"] / runs / 1e3
         by_op[(e["name"], op[1])] += e["dur"] / runs / 1e3
     total = sum(by_class.values())
-    out = {"step": label, "wall_ms": wall, "thunk_ms": total,
+    out = {"step": label, "thunk_ms": total,
            "class_ms": {c: by_class[c] for c in CLASSES},
            "class_share": {c: by_class[c] / total for c in CLASSES},
            "top_ops": [{"thunk": n, "op": o, "ms": ms} for (n, o), ms in by_op.most_common(12)]}
-    print(f"  {label:8s} wall {wall:6.1f} ms  thunks {total:6.1f} ms  " + "  ".join(
+    print(f"  {label:8s} thunks {total:6.1f} ms  " + "  ".join(
         f"{c} {100 * s:4.1f}%" for c, s in out["class_share"].items()))
-    return out
+    return out, step
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=moe_layer.SHAPES, help="T,D,F,E,K;...")
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=3, help="profiled calls per step")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
     parser.add_argument("--unfused", action="store_true", help="profile the unfused layer too")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -214,16 +298,23 @@ def main() -> None:
         steps = [("fused", lambda: moe_layer.aristax_step(w, K))]
         if args.unfused:
             steps.append(("unfused", lambda: moe_layer.aristax_step(w, K, fused=False)))
-        floor = gemm_floor_step(w, K)
-        jax.block_until_ready(floor())
-        floor_ms = wall_ms(floor)
-        rows = [row(label, make, args.runs) for label, make in steps]
+        profiled = [row(label, make, args.runs) for label, make in steps]
+        rows = [r for r, _ in profiled]
+        parts = floors(w, K, {r["step"]: step for r, step in profiled}, args.rounds)
         for r in rows:
-            r["non_gemm_share"] = 1 - floor_ms / r["wall_ms"]
-        print(f"  gemm floor {floor_ms:6.1f} ms: everything else is " + ", ".join(
+            r["wall_ms"] = parts.pop(r["step"])
+            r["non_gemm_share"] = 1 - parts["gemm"] / r["wall_ms"]
+            r["over_dense"] = r["wall_ms"] / parts["dense"]
+        print(f"  gemm floor {parts['gemm']:6.1f} ms: everything else is " + ", ".join(
             f"{100 * r['non_gemm_share']:.0f}% of {r['step']}" for r in rows))
+        print(f"  gemm + routing {parts['routing']:.1f} + movement {parts['movement']:.1f} ms"
+              f" = {parts['floor']:.1f} ms: {parts['floor_over_dense']:.2f}x dense "
+              f"({parts['dense']:.1f} ms), non-GEMM {100 * parts['floor_non_gemm_share']:.0f}%;"
+              " the layer " + ", ".join(
+                  f"{r['wall_ms']:.1f} ms, {r['over_dense']:.2f}x ({r['step']})" for r in rows))
         result["rows"].append({"shape": dict(T=T, D=D, F=F, E=E, K=K),
-                               "gemm_floor_ms": floor_ms, "steps": rows})
+                               "gemm_floor_ms": parts["gemm"], "floors_ms": parts,
+                               "steps": rows})
         out.write_text(json.dumps(result, indent=1))
     shutil.rmtree(DUMP, ignore_errors=True)
     print(f"wrote {out}")

@@ -39,6 +39,7 @@ Usage: python experiments/benchmarks/moe_layer.py [--shapes T,D,F,E,K;...]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -80,10 +81,21 @@ def weights(T, D, F, E, load: str, seed: int = 0) -> dict[str, np.ndarray]:
     return {k: v.astype(np.float32) for k, v in w.items()}
 
 
-def aristax_step(w, K, fused: bool = True, layer: MoE | None = None):
+@contextlib.contextmanager
+def unfused_default():
+    """The layer's fused default off (``moe_mlp.api.LAYER_DEFAULT`` emptied) inside."""
+    default = dict(moe_mlp_api.LAYER_DEFAULT)
+    moe_mlp_api.LAYER_DEFAULT.clear()
+    try:
+        yield
+    finally:
+        moe_mlp_api.LAYER_DEFAULT.update(default)
+
+
+def aristax_step(w, K, fused: bool = True, layer: MoE | None = None, traced_in=None):
     """nnx.jit(value_and_grad) of the aristax.MoE layer holding ``w`` (or of ``layer``,
     e.g. ``MoE.from_hf`` of a block, on x = w["x"]). ``fused=False``: compiled here
-    with the layer's fused default off (``moe_mlp.api.LAYER_DEFAULT``)."""
+    inside ``unfused_default()``; ``traced_in``: inside that context manager instead."""
     if layer is None:
         (D, E), F = w["router"].shape, w["gate"].shape[2]
         layer = MoE(MoEConfig(num_experts=E, top_k=K, d_model=D, d_ff=F,
@@ -98,20 +110,18 @@ def aristax_step(w, K, fused: bool = True, layer: MoE | None = None):
             return jnp.sum(y) + aux["loss"]
         return nnx.value_and_grad(loss, argnums=(0, 1))(layer, x)
     x = jnp.asarray(w["x"])
-    if fused:
+    if fused and traced_in is None:
         jitted = nnx.jit(step)
         return lambda: jitted(layer, x)
-    # Compiled ahead of time with the default off, every trace cache cleared before and
+    # Compiled ahead of time inside the context, every trace cache cleared before and
     # after: the layer's inner jit would otherwise reuse another step's trace.
     graphdef, state = nnx.split(layer)
-    default = dict(moe_mlp_api.LAYER_DEFAULT)
-    moe_mlp_api.LAYER_DEFAULT.clear()
     jax.clear_caches()
     try:
-        compiled = jax.jit(lambda state, x: step(nnx.merge(graphdef, state), x)).lower(
-            state, x).compile()
+        with (traced_in or unfused_default)():
+            compiled = jax.jit(lambda state, x: step(nnx.merge(graphdef, state), x)).lower(
+                state, x).compile()
     finally:
-        moe_mlp_api.LAYER_DEFAULT.update(default)
         jax.clear_caches()
     return lambda: compiled(state, x)
 
