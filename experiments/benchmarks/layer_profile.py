@@ -61,7 +61,6 @@ import json  # noqa: E402
 import re  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
@@ -224,28 +223,16 @@ def movement_step(w, K: int):
     return lambda: step(sizes, order, x, dy, weights)
 
 
-def interleaved_ms(steps: dict, rounds: int) -> dict[str, float]:
-    """Median wall time (ms) of each step over ``rounds`` interleaved rounds (each step
-    once per round, timed on the second of two back-to-back calls, as in
-    ``moe_layer.bench``): this VM's speed drifts by 10-20% within minutes."""
-    times = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, step in steps.items():
-            jax.block_until_ready(step())
-            t0 = time.perf_counter()
-            jax.block_until_ready(step())
-            times[name].append(time.perf_counter() - t0)
-    return {name: 1e3 * float(np.median(t)) for name, t in times.items()}
-
-
 def floors(w, K: int, layers: dict, rounds: int) -> dict:
-    """Interleaved wall times (ms) of the GEMM floor, the routing and the token movement
-    measured alone, the dense ceiling (``moe_layer.dense_step``) and the ``layers``
-    steps; ``floor``: the first three's sum (the layer with zero overhead beyond them),
-    ``floor_over_dense`` and the floor's own non-GEMM share (1 - gemm / floor)."""
+    """Median wall times (ms) over interleaved rounds (``moe_layer.interleaved``; this
+    VM's speed drifts by 10-25% within minutes) of the GEMM floor, the routing and the
+    token movement measured alone, the dense ceiling (``moe_layer.dense_step``) and the
+    ``layers`` steps; ``floor``: the first three's sum (the layer with zero overhead
+    beyond them), ``floor_over_dense`` and the floor's non-GEMM share (1 - gemm / floor)."""
     steps = {"gemm": gemm_floor_step(w, K), "routing": routing_step(w, K),
              "movement": movement_step(w, K), "dense": moe_layer.dense_step(w, K), **layers}
-    out = interleaved_ms(steps, rounds)
+    out = {name: 1e3 * float(np.median(t))
+           for name, t in moe_layer.interleaved(steps, rounds).items()}
     out["floor"] = out["gemm"] + out["routing"] + out["movement"]
     out["floor_over_dense"] = out["floor"] / out["dense"]
     out["floor_non_gemm_share"] = 1 - out["gemm"] / out["floor"]

@@ -241,6 +241,22 @@ def hf_step(block, w):
     return step
 
 
+def interleaved(steps: dict, rounds: int) -> dict[str, list[float]]:
+    """Each step's wall times (s) over ``rounds`` interleaved rounds: each step once per
+    round, timed on the second of two back-to-back calls. The untimed call first: the
+    call after another contender's pays for the memory that one gave back (on this
+    project's VM, 150+ ms of system time after GShard's GBs); a training loop runs its
+    step back to back."""
+    times = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            jax.block_until_ready(step())
+            t0 = time.perf_counter()
+            jax.block_until_ready(step())
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
 def bench(T, D, F, E, K, load, rounds, with_hf, block: str = "mixtral") -> dict:
     w = weights(T, D, F, E, load)
     layer = None
@@ -259,16 +275,7 @@ def bench(T, D, F, E, K, load, rounds, with_hf, block: str = "mixtral") -> dict:
                 steps[f"hf_{impl}"] = hf_step(hf, w)
     for step in steps.values():  # compile and warm up
         jax.block_until_ready(step())
-    times = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, step in steps.items():
-            # One untimed call first: the call after another contender's pays for
-            # the memory that one gave back (on this project's VM, 150+ ms of system
-            # time after GShard's GBs); a training loop runs its step back to back.
-            jax.block_until_ready(step())
-            t0 = time.perf_counter()
-            jax.block_until_ready(step())
-            times[name].append(time.perf_counter() - t0)
+    times = interleaved(steps, rounds)
     ours = np.array(times["aristax.MoE"])
     row = {"block": block, "shape": dict(T=T, D=D, F=F, E=E, K=K), "load": load,
            "rounds": rounds,
