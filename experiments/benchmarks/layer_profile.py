@@ -117,6 +117,16 @@ def profile(step, runs: int, trace_dir: str) -> list[dict]:
     return [e for e in events if e.get("ph") == "X" and not e["name"].startswith(SKIP)]
 
 
+def top_k_routing(w, K: int):
+    """(top-K experts int[T, K] of ``w``'s router logits, group sizes int32[E], the fused
+    loop's tiles for them, M = T*K): the routing the floor steps run their tiles for."""
+    (D, E), F = w["router"].shape, w["gate"].shape[2]
+    M = w["x"].shape[0] * K
+    top = np.argsort(-(w["x"] @ w["router"]), axis=1, kind="stable")[:, :K]
+    sizes = jnp.asarray(np.bincount(top.ravel(), minlength=E), jnp.int32)
+    return top, sizes, moe_mlp_xla._tiles_for(None, M, D, F, E), M
+
+
 def gemm_floor_step(w, K: int):
     """The fused loop's expert GEMMs alone (module docstring) for the top-K routing of
     ``w`` (``moe_layer.weights``): per tile of s rows of expert e, with r, dy
@@ -127,11 +137,7 @@ def gemm_floor_step(w, K: int):
     (g, u and gh stand in for h and the pre-activations' gradients: same shapes; the
     last two as one r^T @ [gh | u] where the loop joins them, F <= JOINED_WGRAD_MAX_F)."""
     (D, E), F = w["router"].shape, w["gate"].shape[2]
-    T = w["x"].shape[0]
-    top = np.argsort(-(w["x"] @ w["router"]), axis=1, kind="stable")[:, :K]
-    sizes = jnp.asarray(np.bincount(top.ravel(), minlength=E), jnp.int32)
-    M = T * K
-    tiles = moe_mlp_xla._tiles_for(None, M, D, F, E)
+    _, sizes, tiles, M = top_k_routing(w, K)
     P = moe_mlp_xla.padded_rows(M, E, tiles) + tiles.block_m
     rng = np.random.default_rng(2)
     rows, dy = (jnp.asarray(rng.standard_normal((P, D)), jnp.float32) for _ in range(2))
@@ -193,13 +199,9 @@ def movement_step(w, K: int):
     """The fused loop's token movement alone, on its tiles for the top-K routing of ``w``:
     per tile of s rows, forward x rows gathered and y[tok] += w * rows; backward x and dy
     rows gathered and dx[tok] += rows (the GEMMs, activation and routing left out)."""
-    (D, E), F = w["router"].shape, w["gate"].shape[2]
     T = w["x"].shape[0]
-    top = np.argsort(-(w["x"] @ w["router"]), axis=1, kind="stable")[:, :K]
-    sizes = jnp.asarray(np.bincount(top.ravel(), minlength=E), jnp.int32)
+    top, sizes, tiles, M = top_k_routing(w, K)
     order = jnp.asarray(np.argsort(top.ravel(), kind="stable"), jnp.int32)
-    M = T * K
-    tiles = moe_mlp_xla._tiles_for(None, M, D, F, E)
     x, dy = (jnp.asarray(w["x"] + i) for i in range(2))
     weights = jnp.ones((T, K), jnp.float32)
 
@@ -284,7 +286,8 @@ def main() -> None:
         w = moe_layer.weights(T, D, F, E, "uniform")
         steps = [("fused", lambda: moe_layer.aristax_step(w, K))]
         if args.unfused:
-            steps.append(("unfused", lambda: moe_layer.aristax_step(w, K, fused=False)))
+            steps.append(("unfused", lambda: moe_layer.aristax_step(
+                w, K, traced_in=moe_layer.unfused_default)))
         profiled = [row(label, make, args.runs) for label, make in steps]
         rows = [r for r, _ in profiled]
         parts = floors(w, K, {r["step"]: step for r, step in profiled}, args.rounds)

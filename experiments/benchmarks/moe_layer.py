@@ -92,10 +92,10 @@ def unfused_default():
         moe_mlp_api.LAYER_DEFAULT.update(default)
 
 
-def aristax_step(w, K, fused: bool = True, layer: MoE | None = None, traced_in=None):
+def aristax_step(w, K, layer: MoE | None = None, traced_in=None):
     """nnx.jit(value_and_grad) of the aristax.MoE layer holding ``w`` (or of ``layer``,
-    e.g. ``MoE.from_hf`` of a block, on x = w["x"]). ``fused=False``: compiled here
-    inside ``unfused_default()``; ``traced_in``: inside that context manager instead."""
+    e.g. ``MoE.from_hf`` of a block, on x = w["x"]); with ``traced_in`` (a context
+    manager, e.g. ``unfused_default``) compiled here, inside it."""
     if layer is None:
         (D, E), F = w["router"].shape, w["gate"].shape[2]
         layer = MoE(MoEConfig(num_experts=E, top_k=K, d_model=D, d_ff=F,
@@ -110,7 +110,7 @@ def aristax_step(w, K, fused: bool = True, layer: MoE | None = None, traced_in=N
             return jnp.sum(y) + aux["loss"]
         return nnx.value_and_grad(loss, argnums=(0, 1))(layer, x)
     x = jnp.asarray(w["x"])
-    if fused and traced_in is None:
+    if traced_in is None:
         jitted = nnx.jit(step)
         return lambda: jitted(layer, x)
     # Compiled ahead of time inside the context, every trace cache cleared before and
@@ -118,7 +118,7 @@ def aristax_step(w, K, fused: bool = True, layer: MoE | None = None, traced_in=N
     graphdef, state = nnx.split(layer)
     jax.clear_caches()
     try:
-        with (traced_in or unfused_default)():
+        with traced_in():
             compiled = jax.jit(lambda state, x: step(nnx.merge(graphdef, state), x)).lower(
                 state, x).compile()
     finally:
@@ -263,7 +263,7 @@ def bench(T, D, F, E, K, load, rounds, with_hf, block: str = "mixtral") -> dict:
     if block != "mixtral":  # the layer computing the HF block, from its weights
         layer = MoE.from_hf(hf_block(block, w, K, "eager"), rngs=nnx.Rngs(0))
     steps = {"aristax.MoE": aristax_step(w, K, layer=layer),
-             "aristax.MoE unfused": aristax_step(w, K, fused=False, layer=layer),
+             "aristax.MoE unfused": aristax_step(w, K, layer=layer, traced_in=unfused_default),
              "dense_mlp (ceiling)": dense_step(w, K),
              "dense_mlp_expert_shape": dense_step(w, K, expert_shape=True)}
     if block == "mixtral":  # GShard's einsum layer is Mixtral's routing and experts
