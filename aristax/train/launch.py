@@ -40,12 +40,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def without_device_count(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with XLA_FLAGS' host device count taken out (the train process sets its
+    own, ``parallel.devices`` / N); the user's other XLA flags stay."""
+    env = dict(env)
+    flags = [f for f in env.pop("XLA_FLAGS", "").split()
+             if f.split("=", 1)[0] != DEVICE_COUNT_FLAG]
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
+    return env
+
+
 def process_env(process_id: int, num_processes: int, port: int) -> dict[str, str]:
-    env = dict(os.environ)
+    """Process ``process_id``'s environment: the launcher's (``without_device_count``)
+    with the ARISTAX_* variables, CPU platform and the run lock's holder."""
+    env = without_device_count(os.environ)
     env.update(ARISTAX_COORDINATOR=f"127.0.0.1:{port}",
                ARISTAX_NUM_PROCESSES=str(num_processes), ARISTAX_PROCESS_ID=str(process_id),
                JAX_PLATFORMS="cpu", **{LOCK_HOLDER_ENV: str(os.getpid())})
-    env.pop("XLA_FLAGS", None)  # the train process sets its own device count
     return env
 
 

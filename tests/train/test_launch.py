@@ -24,7 +24,7 @@ SMALL = ["model.d_model=32", "model.d_ff=64", "model.seq_len=32", "data.batch_si
 
 
 def launcher(tmp_path, *overrides):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = launch.without_device_count(os.environ)  # conftest's 8 devices out, its other flags in
     cmd = [sys.executable, "-m", "aristax.cli", "launch", "--local-processes", "2",
            "--grace", "5", "experiments/configs/tiny.yaml", *SMALL,
            f"out_dir={tmp_path / 'run'}", *overrides]
@@ -87,3 +87,20 @@ def test_bad_process_counts_are_cli_errors_before_any_process_starts(tmp_path, m
     launch.check_processes(3, 0)
     with pytest.raises(ValueError, match="parallel.devices=8 is not divisible"):
         launch.launch(config, [], 3, out_dir=tmp_path / "run", devices=8)
+
+
+@pytest.mark.parametrize("flags,kept", [
+    ("--xla_dump_to=/tmp/d --xla_force_host_platform_device_count=8 --xla_cpu_enable_fast_math",
+     "--xla_dump_to=/tmp/d --xla_cpu_enable_fast_math"),
+    ("--xla_force_host_platform_device_count=8", None),
+    (None, None)])
+def test_processes_keep_the_users_xla_flags_but_not_the_device_count(monkeypatch, flags, kept):
+    """Each process sets its own device count (parallel.devices / N); the user's other
+    XLA flags (a dump, a backend option) reach it unchanged."""
+    if flags is None:
+        monkeypatch.delenv("XLA_FLAGS", raising=False)
+    else:
+        monkeypatch.setenv("XLA_FLAGS", flags)
+    env = launch.process_env(1, 2, 1234)
+    assert env.get("XLA_FLAGS") == kept
+    assert env["ARISTAX_PROCESS_ID"] == "1" and env["ARISTAX_NUM_PROCESSES"] == "2"
