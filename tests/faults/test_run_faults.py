@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from aristax.train.checkpoint import CheckpointSaveError, Checkpointer
+from aristax.train.launch import without_device_count
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["model.d_model=32", "model.d_ff=64", "model.seq_len=32", "data.batch_size=8",
@@ -36,7 +37,7 @@ JAX_CACHE = Path(tempfile.gettempdir()) / f"aristax-fault-tests-jax-cache-{os.ge
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = without_device_count(os.environ)  # conftest's 8 devices out, its other flags in
     env.update(JAX_COMPILATION_CACHE_DIR=str(JAX_CACHE),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     return env
