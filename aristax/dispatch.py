@@ -50,6 +50,22 @@ class Dispatch:
     num_dropped: jax.Array
 
 
+def stable_order(keys: jax.Array, num_keys: int) -> jax.Array:
+    """int32[..., N]: ``jnp.argsort(keys, axis=-1, stable=True)`` of the int keys
+    [..., N] in [0, num_keys), sorted as the one int32 key ``key * N + position`` (unique,
+    so any sort is stable) where that fits in int32, else by ``jnp.argsort``.
+
+    XLA:CPU sorts one int32 operand about 4x faster than the (key, index) pairs of an
+    argsort: 32768 keys in [0, 65) (T 4096, K 8, E 64) took 2.2 ms against 9.0 ms on
+    the project's 2-core Xeon VM, 0.55 ms against 2.1 ms at 8192 keys in [0, 9).
+    """
+    n = keys.shape[-1]
+    if num_keys * n >= 2 ** 31:
+        return jnp.argsort(keys, axis=-1, stable=True).astype(jnp.int32)
+    position = jnp.arange(n, dtype=jnp.int32)
+    return jnp.sort(keys.astype(jnp.int32) * n + position, axis=-1) % n
+
+
 def _flat_expert_ids(routing: Routing) -> jax.Array:
     """int32[T*K] expert of each assignment, E for unassigned ones (they sort last)."""
     E = routing.num_experts
@@ -61,7 +77,7 @@ def dropless_dispatch(routing: Routing) -> Dispatch:
     T, K = routing.expert_ids.shape
     E = routing.num_experts
     flat = _flat_expert_ids(routing)
-    sort_order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # row -> assignment
+    sort_order = stable_order(flat, E + 1)  # row -> assignment
     counts = jnp.bincount(flat, length=E + 1).astype(jnp.int32)
     row_of = jnp.zeros_like(sort_order).at[sort_order].set(
         jnp.arange(T * K, dtype=sort_order.dtype))
@@ -127,7 +143,7 @@ def capacity_dispatch(routing: Routing, capacity: int, policy: str = "position")
     E, C = routing.num_experts, capacity
     flat = _flat_expert_ids(routing)
     prio = _priority_order(routing, policy)
-    by_expert = jnp.argsort(flat[prio], stable=True)
+    by_expert = stable_order(flat[prio], E + 1)
     by_priority = prio[by_expert]  # flat assignments sorted by (expert, priority)
     counts = jnp.bincount(flat, length=E + 1).astype(jnp.int32)
     starts = jnp.cumsum(counts) - counts

@@ -113,7 +113,7 @@ def regroup_order(recv_counts: jax.Array, buffer_size: int) -> tuple[jax.Array, 
     pos = jnp.arange(buffer_size, dtype=jnp.int32)
     cum = jnp.cumsum(recv_counts, axis=1, dtype=jnp.int32)  # [W, El]
     local_expert = jnp.sum(pos[None, :, None] >= cum[:, None, :], axis=-1, dtype=jnp.int32)
-    order = jnp.argsort(local_expert.reshape(-1), stable=True).astype(jnp.int32)
+    order = dispatch_lib.stable_order(local_expert.reshape(-1), recv_counts.shape[1] + 1)
     return order, jnp.sum(recv_counts, axis=0, dtype=jnp.int32)
 
 

@@ -17,6 +17,7 @@ from flax import nnx
 
 import moe_reference as ref
 from aristax import MoE, MoEConfig, MoEParams, moe
+from aristax import dispatch as dispatch_lib
 from aristax.dispatch import capacity_dispatch
 from aristax.routing import Routing
 
@@ -141,6 +142,25 @@ def test_probability_policy_serves_every_top1_choice_before_any_top2():
     d = capacity_dispatch(routing.replace(expert_ids=jnp.asarray([[0, 1], [0, 1]])), 1,
                           "probability")
     np.testing.assert_array_equal(d.kept, [[False, False], [True, True]])
+
+
+@pytest.mark.parametrize("n,num_keys", [(0, 5), (1, 1), (7, 1), (37, 3), (2048, 9),
+                                         (32768, 65), (6, 2 ** 30)])
+def test_stable_order_equals_numpy_stable_argsort(n, num_keys):
+    """dispatch.stable_order (one packed int32 sort; argsort where key * n + position
+    would overflow int32, the last case) against NumPy's stable argsort on fresh keys:
+    random, all equal, all the largest key, and per row of a batch under jit and vmap."""
+    rng = np.random.default_rng(n + num_keys)
+    cases = [rng.integers(0, num_keys, n), np.zeros(n, np.int64), np.full(n, num_keys - 1)]
+    for keys in cases:
+        got = dispatch_lib.stable_order(jnp.asarray(keys, jnp.int32), num_keys)
+        assert got.dtype == jnp.int32
+        np.testing.assert_array_equal(got, np.argsort(keys, kind="stable"))
+    batch = rng.integers(0, num_keys, (3, n))
+    want = np.argsort(batch, axis=-1, kind="stable")
+    jitted = jax.jit(lambda k: dispatch_lib.stable_order(k, num_keys))
+    np.testing.assert_array_equal(jitted(jnp.asarray(batch, jnp.int32)), want)
+    np.testing.assert_array_equal(jax.vmap(jitted)(jnp.asarray(batch, jnp.int32)), want)
 
 
 def _steer(x, router_de, expert, strength):
@@ -333,7 +353,6 @@ def test_kernel_names_keep_order_and_end_in_reference(implementation, names):
 def test_fused_routing_equals_router_and_dropless_dispatch(case):
     """``moe.fused_routing`` (the Triton route kernel, interpreted on CPU) gives the
     plain path's Routing and Dispatch: a NaN token, a selection bias, a scaling factor."""
-    from aristax import dispatch as dispatch_lib
     from aristax import routing as routing_lib
     from aristax.moe import fused_routing, router_logits
 

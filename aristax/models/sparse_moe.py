@@ -42,6 +42,7 @@ import jax.numpy as jnp
 
 from aristax import routing as routing_lib
 from aristax.config import RouterConfig, accumulation_dtype
+from aristax.dispatch import stable_order
 from aristax.moe import router_logits
 from aristax.pallas_kernels.moe_mlp.reference import hidden
 from aristax.pallas_kernels.permute import reference as permute_ref
@@ -172,7 +173,7 @@ def _grouped_moe(x, routing, weights, experts: ExpertWeights, activation: str) -
     gate_ups, downs = experts
     T, K, E = x.shape[0], routing.expert_ids.shape[1], len(downs)
     ids = jnp.where(routing.mask, routing.expert_ids, E).reshape(-1)  # unrouted: last
-    sort_order = jnp.argsort(ids, stable=True).astype(jnp.int32)  # [T*K]
+    sort_order = stable_order(ids, E + 1)  # [T*K]
     counts = jnp.bincount(ids, length=E + 1)[:E].astype(jnp.int32)
     starts = jnp.cumsum(counts) - counts
     num_valid = jnp.sum(counts)
