@@ -17,6 +17,7 @@ from aristax.parallel import initialize_distributed, mesh_from_plan, resolve_dis
 from aristax.planner import ModelSpec, make_plan
 from aristax.planner.topology import PRESETS, Topology, uniform
 from aristax.train.config import TrainConfig
+from aristax.train.launch import DEVICE_COUNT_FLAG
 
 
 def start_processes(cfg: TrainConfig) -> None:
@@ -30,9 +31,9 @@ def start_processes(cfg: TrainConfig) -> None:
         if devices % num_processes:
             raise ValueError(f"parallel.devices={devices} is not divisible by the "
                              f"{num_processes} processes")
-        flag = f"--xla_force_host_platform_device_count={devices // num_processes}"
+        flag = f"{DEVICE_COUNT_FLAG}={devices // num_processes}"
         flags = os.environ.get("XLA_FLAGS", "")
-        if "xla_force_host_platform_device_count" not in flags:
+        if DEVICE_COUNT_FLAG not in flags:
             os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
     if num_processes > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
