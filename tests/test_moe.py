@@ -18,7 +18,6 @@ from flax import nnx
 import moe_reference as ref
 from aristax import MoE, MoEConfig, MoEParams, moe
 from aristax import dispatch as dispatch_lib
-from aristax.dispatch import capacity_dispatch
 from aristax.routing import Routing
 
 ROUTER_CASES = {
@@ -135,12 +134,12 @@ def test_probability_policy_serves_every_top1_choice_before_any_top2():
     weights = jnp.asarray([[0.40, 0.35], [0.55, 0.45]], jnp.float32)
     routing = Routing(expert_ids=ids, weights=weights, mask=jnp.ones((2, 2), bool),
                       probs=jnp.full((2, 2), 0.5), logits=jnp.zeros((2, 2)))
-    d = capacity_dispatch(routing, 1, "probability")
+    d = dispatch_lib.capacity_dispatch(routing, 1, "probability")
     np.testing.assert_array_equal(d.kept, [[True, False], [True, False]])
     assert int(d.num_dropped) == 2
     # token order by top weight: token 1 (0.55) before token 0 (0.40) in each round
-    d = capacity_dispatch(routing.replace(expert_ids=jnp.asarray([[0, 1], [0, 1]])), 1,
-                          "probability")
+    d = dispatch_lib.capacity_dispatch(
+        routing.replace(expert_ids=jnp.asarray([[0, 1], [0, 1]])), 1, "probability")
     np.testing.assert_array_equal(d.kept, [[False, False], [True, True]])
 
 
