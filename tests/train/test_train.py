@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -106,3 +108,25 @@ def test_batch_split_and_divergence_are_errors(tmp_path, capsys):
         check_batch_split(cfg, None, 2)
     with pytest.raises(FloatingPointError, match=r"step \d: the training loss is nan; lower optim.lr"):
         run(tmp_path, "steps=3", "optim.lr=1e30", "optim.warmup_steps=0", name="diverges")
+
+
+def test_metrics_writer_leaves_torch_unimported_and_importable(tmp_path):
+    """tensorboardX imports torch when it is installed (seconds of every run's start);
+    the writer keeps it out, and torch still imports afterwards."""
+    pytest.importorskip("torch")
+    code = f"""
+import sys
+from pathlib import Path
+from aristax.train.metrics import MetricsWriter
+w = MetricsWriter(Path({str(tmp_path)!r}))
+w.write({{"step": 1, "loss": 2.5}})
+w.close()
+assert "torch" not in sys.modules, "tensorboardX imported torch"
+import torch
+print(torch.ones(2).sum().item())
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "2.0", proc.stderr[-2000:]
+    events = list((tmp_path / "tensorboard").iterdir())
+    assert len(events) == 1 and b"loss" in events[0].read_bytes()
