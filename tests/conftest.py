@@ -4,12 +4,9 @@ dtype promotion, full float32 products.
 XLA_FLAGS must be set before jax initialises its backends, so this runs at import.
 """
 
-import atexit
 import collections
 import glob
 import os
-import shutil
-import tempfile
 
 # pytest-xdist workers share a GPU where there is one: no worker may preallocate it
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -22,19 +19,6 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     + CPU_ONLY_FLAGS
 ).strip()
-
-# One persistent compilation cache for this run, made by the first pytest process (the
-# xdist controller) and inherited by its workers and the subprocesses tests start:
-# tests that build the same program (a reference layer, a train step's pieces) compile
-# it once per run, not once per process and closure (test_every_path.py 0.82x; 2-core
-# VM). Fresh per run, so a run never reads an earlier run's programs; the user's own
-# JAX_COMPILATION_CACHE_DIR wins.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    _cache = tempfile.mkdtemp(prefix="aristax-tests-jax-cache-")
-    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
-    os.environ.update(JAX_COMPILATION_CACHE_DIR=_cache,
-                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
