@@ -44,12 +44,15 @@ BACKENDS: dict[str, ModuleType] = {
 # uniform groups) Mosaic GPU's forward took 2.07 ms against Triton's 2.69 at the
 # Mixtral shape (8192 rows, D 4096, F 14336, E 8) and 0.22 against 0.27 ms fine-grained
 # (16384 rows, D 2048, F 768, E 128); forward and backward 6.6 against 8.6 and 0.89
-# against 1.01 ms. "xla" is not in the GPU order: on an H100 its forward took 4.08 ms
-# against Mosaic GPU's 2.62 (Mixtral) and 4.57 against 0.32 (fine-grained); forward
-# and backward 20.0 against 7.6 and 14.8 against 1.09.
+# against 1.01 ms. "xla" follows them on a GPU, for what both refuse (other dtypes,
+# empty operands; or a JAX without Triton): on an H100 its forward took 4.08 ms against
+# Mosaic GPU's 2.62 (Mixtral) and 4.57 against 0.32 (fine-grained), forward and
+# backward 20.0 against 7.6 and 14.8 against 1.09; on an H200 (2026-11-27) forward and
+# backward 16.9-18.9 against jax.lax.ragged_dot's 60.9-61.0 ms (Mixtral) and
+# 14.1-20.5 against 62.2-62.3 (fine-grained), forward 4.0-6.2 against 9.4-10.1.
 DEFAULT_ORDER: dict[str, tuple[str, ...]] = {
-    "gpu": ("mosaic_gpu", "triton", "reference"),
-    "cuda": ("mosaic_gpu", "triton", "reference"),
+    "gpu": ("mosaic_gpu", "triton", "xla", "reference"),
+    "cuda": ("mosaic_gpu", "triton", "xla", "reference"),
     "cpu": ("xla", "reference"),
 }
 
