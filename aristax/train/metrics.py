@@ -34,14 +34,14 @@ def summary_writer_class() -> type:
     imported. tensorboardX imports torch when it is installed, only to take torch
     tensors (``MetricsWriter`` writes floats); that import took 1.9 s of an
     ``aristax train`` start of 11 s (2-core VM)."""
-    if "torch" in sys.modules:
-        from tensorboardX import SummaryWriter
-        return SummaryWriter
-    sys.modules["torch"] = None  # makes `import torch` raise ImportError
+    masked = "torch" not in sys.modules
+    if masked:
+        sys.modules["torch"] = None  # makes `import torch` raise ImportError
     try:
         from tensorboardX import SummaryWriter
     finally:
-        del sys.modules["torch"]
+        if masked:
+            del sys.modules["torch"]
     return SummaryWriter
 
 
