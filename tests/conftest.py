@@ -10,11 +10,15 @@ import os
 
 # pytest-xdist workers share a GPU where there is one: no worker may preallocate it
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-# LLVM at -O0 on a machine without a GPU: the tests check values of small programs,
-# and optimising their machine code took a fifth of their CPU time (gpu_check's dry run
-# 124 s -> 98 s, four test_every_path cases 52 -> 41 s; 2-core VM). IEEE semantics hold
-# at every level. A GPU machine keeps XLA's default (it would set the GPU's level too).
-CPU_ONLY_FLAGS = "" if glob.glob("/dev/nvidia[0-9]*") else " --xla_backend_optimization_level=0"
+# On a machine without a GPU: LLVM at -O0, and XLA:CPU's elemental fusion emitters
+# instead of its newer MLIR ones. The tests check values of small programs, and
+# compiling them is most of their CPU time: -O0 took a fifth off (gpu_check's dry run
+# 124 s -> 98 s), the emitters half of what remained for small programs (12 test-sized
+# MoE gradients compiled in 4.5 s against 9.5; tests/test_moe.py with the HF
+# conformance tests 87-95 s against 149-170, 2-core VM, alternating). IEEE semantics
+# hold either way. A GPU machine keeps XLA's defaults (they would reach its GPU too).
+CPU_ONLY_FLAGS = ("" if glob.glob("/dev/nvidia[0-9]*") else
+                  " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false")
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     + CPU_ONLY_FLAGS
