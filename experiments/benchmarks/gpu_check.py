@@ -27,7 +27,10 @@ repeats (``seconds``; the kernels here run for 0.1 to 10 ms, far above the dispa
 cost, so this is the device time; ``torch._grouped_mm`` is timed with CUDA events).
 Rows put each kernel against a dense matmul of equal FLOPs (the ceiling, measured in
 the same run), ``jax.lax.ragged_dot`` and ``torch._grouped_mm`` (when torch with CUDA
-imports), at uniform and Zipf-skewed group sizes.
+imports), at uniform and Zipf-skewed group sizes. At the Mixtral shape the Mosaic GPU
+grouped GEMM also runs with its output tiles in other orders (``BANDS``: row-major, its
+order before bands, and bands of 4, 8 and 32 column tiles), as backends
+"mosaic_gpu.<order>".
 
 A step that fails is recorded with its error and the run goes on; the JSON is
 rewritten after each step. A worker process runs the steps; where it dies (a kernel
@@ -103,6 +106,7 @@ from aristax.pallas_kernels import BACKEND_NAMES  # noqa: E402
 from aristax.pallas_kernels.moe_mlp import api as moe_mlp_api  # noqa: E402
 from aristax.pallas_kernels.permute import api as permute_api  # noqa: E402
 from aristax.pallas_kernels.ragged_dot import api as ragged_dot_api  # noqa: E402
+from aristax.pallas_kernels.ragged_dot import mosaic_gpu as ragged_dot_mosaic_gpu  # noqa: E402
 from aristax.pallas_kernels.route import api as route_api  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -133,12 +137,14 @@ class Shape:
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One shape in one dtype under one ``jax.default_matmul_precision`` (None: JAX's
-    default); ``timed`` cases are also timed."""
+    default); ``timed`` cases are also timed; ``bands``: the Mosaic GPU grouped GEMM
+    is also checked (and timed) with its tiles visited in these orders (``BANDS``)."""
 
     shape: Shape
     dtype: str
     precision: str | None = None
     timed: bool = False
+    bands: tuple[str, ...] = ()  # ``BANDS`` the Mosaic GPU grouped GEMM also runs in
 
     @property
     def name(self) -> str:
@@ -153,6 +159,10 @@ class Case:
         return 1e-4 if self.precision == "highest" else 2e-3
 
 
+# Orders of the Mosaic GPU grouped GEMM's output tiles beside its default (bands of
+# 16 column tiles, ``MosaicTiles.band_n``), as backend "mosaic_gpu.<name>": its
+# row-major order before the bands, and narrower and wider bands.
+BANDS = {"row_major": 1 << 30, "band4": 4, "band8": 8, "band32": 32}
 SMALL = Shape("small", E=8, D=256, F=192, K=2, T=264)
 MIXTRAL = Shape("mixtral", E=8, D=4096, F=14336, K=2, T=4096)
 FINE = Shape("fine", E=128, D=2048, F=768, K=8, T=2048)
@@ -161,7 +171,7 @@ ODD = Shape("odd", E=6, D=200, F=136, K=3, T=37)  # unaligned: Mosaic GPU refuse
 # Most valuable first (a run cut short by --budget-s keeps what it did): every kernel
 # at the two real shapes in bf16, timed; the precision rule; unaligned shapes.
 GPU_PLAN = (
-    Case(MIXTRAL, "bfloat16", timed=True),
+    Case(MIXTRAL, "bfloat16", timed=True, bands=tuple(BANDS)),
     Case(FINE, "bfloat16", timed=True),
     Case(SMALL, "float32", "highest"),
     Case(SMALL, "float32"),
@@ -173,7 +183,8 @@ GPU_PLAN = (
 # The same path on the CPU: tiny shapes, every kernel in interpret mode, one timing.
 # (Unaligned shapes are left to the kernel tests, which run Triton at odd shapes.)
 DRY_PLAN = (
-    Case(Shape("tiny", E=4, D=128, F=64, K=2, T=16), "bfloat16", timed=True),
+    Case(Shape("tiny", E=4, D=128, F=64, K=2, T=16), "bfloat16", timed=True,
+         bands=("row_major",)),
     Case(Shape("tiny", E=4, D=128, F=64, K=2, T=16), "float32", "highest"),
 )
 OPS = ("ragged_dot", "moe_mlp", "layer", "route", "permute", "combine")
@@ -299,10 +310,15 @@ def ragged_dot_problem(s: Shape, dtype, rng) -> Problem:
     diff = dict(lhs=normal(rng, (M, s.D)), rhs=normal(rng, (s.E, s.D, s.F), s.D ** -0.5))
 
     def fn(name):
+        name, _, band = name.partition(".")  # "mosaic_gpu.<BANDS key>"
+        tiles = band and {name: dataclasses.replace(
+            ragged_dot_mosaic_gpu.MosaicTiles.for_shape(M, s.D, s.F, s.E),
+            band_n=BANDS[band], tgmm_band_n=BANDS[band])}
+
         def f(diff, fixed):
             return dict(out=ragged_dot_api.ragged_dot(
                 diff["lhs"], diff["rhs"], fixed["group_sizes"], preferred_element_type=F32,
-                implementation=name)), {}
+                implementation=name, tiles=tiles or None)), {}
         return f
 
     def reference(diff, fixed):
@@ -542,7 +558,10 @@ def plan_steps(plan, only: str | None = None) -> list[Step]:
     for case in plan:
         if case.timed:
             steps.append(Step("peers", case))
-        steps += [Step("check", case, op, name) for op in OPS for name in backends(op)]
+        for op in OPS:
+            names = backends(op) + ([f"mosaic_gpu.{band}" for band in case.bands]
+                                    if op == "ragged_dot" else [])
+            steps += [Step("check", case, op, name) for name in names]
     return [s for s in steps
             if only is None or s.kind == "environment" or re.search(only, s.id)]
 
@@ -828,7 +847,8 @@ def check_backend(p: Prepared, step: Step, repeats: int) -> dict:
           and not any(row["int_mismatches"].values()))
     row.update(status="pass" if ok else "fail", max_error=worst)
     # Mosaic GPU's interpreter (race detection on) takes seconds per call: not timed
-    if case.timed and not (jax.default_backend() == "cpu" and name == "mosaic_gpu"):
+    if case.timed and not (jax.default_backend() == "cpu"
+                           and str(name).startswith("mosaic_gpu")):
         row["timings"] = time_backend(p, step, fn, repeats)
     print(f"  {step.op:10s} {str(name):10s} {case.name:22s} {row['status']:5s} "
           f"max err {worst:.2e} (tol {case.tolerance:.0e}) compile {row['compile_s']} s",

@@ -65,7 +65,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from aristax.pallas_kernels.mosaic_gpu_common import (
-    ALIGN, ROW_ALIGN, SMEM_BYTES, dtype_reason,
+    ALIGN, ROW_ALIGN, SMEM_BYTES, band_order, dtype_reason,
     gmm_tile, launch, mma, platform_reason, raise_if, release_delay, resolve_interpret,
     store_rows,
 )
@@ -87,6 +87,9 @@ class MosaicTiles:
     is the TMA pipeline depth (SMEM buffers in flight); with 2 or more, each wgmma
     may stay in flight while the next step's copies land (``delay_release=1``).
     All block sizes are multiples of 64 (one wgmma warpgroup is 64 rows).
+    ``band_n`` / ``tgmm_band_n``: the persistent loops visit output tiles in bands of
+    this many column tiles (``mosaic_gpu_common.band_order``; at least the number of
+    column tiles: row-major), so the tiles in flight share their operands in L2.
     """
 
     block_m: int = 128
@@ -97,6 +100,8 @@ class MosaicTiles:
     tgmm_block_k: int = 128
     tgmm_block_n: int = 128
     tgmm_max_concurrent_steps: int = 3
+    band_n: int = 16
+    tgmm_band_n: int = 16
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -116,7 +121,12 @@ class MosaicTiles:
         swizzle for 16-bit types). The backward picks its tile of K x N the same way
         from K and N. Pipeline depth: 4 steps (4 x 32 KiB of operand buffers in
         Hopper's 227 KiB of SMEM; the output tile reuses them after the K loop), never
-        more than the K steps.
+        more than the K steps. Bands of 16 column tiles (the class default of
+        ``band_n``, ``tgmm_band_n``): the 132 SMs' tiles in flight then cover about 8
+        row tiles of 16 columns, at the Mixtral shape about one expert's rows (1024
+        rows per expert in tiles of 128), which read the expert's rhs band from HBM
+        once rather than once per row tile. Chosen by that arithmetic, not measured
+        yet: gpu_check.py times the row-major order and other bands beside it.
         """
         avg_rows = m / max(num_groups, 1)
         block_m = 64 if avg_rows < 128 else 128
@@ -309,15 +319,16 @@ def group_row_blocks(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
 
 
 def _gmm_body(sched_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: MosaicTiles):
-    """Persistent loop over (row tile, column tile); see ``row_tile_schedule``."""
+    """Persistent loop over (row tile, column tile) in bands of ``tiles.band_n``
+    column tiles (``band_order``); see ``row_tile_schedule``."""
     m, n = out_gmem.shape
     g = rhs_gmem.shape[0]
     bm, bn = tiles.block_m, tiles.block_n
     num_tiles = sched_gmem.shape[1]
 
-    @plgpu.nd_loop((num_tiles, n // bn), collective_axes="sm")
+    @plgpu.nd_loop((num_tiles * (n // bn),), collective_axes="sm")
     def _(info):
-        t, ni = info.index
+        t, ni = band_order(info.index[0], num_tiles, n // bn, tiles.band_n)
         group, block = sched_gmem[0, t], sched_gmem[1, t]
         lo, hi = sched_gmem[2, t], sched_gmem[3, t]
         row0, col0 = block * bm, ni * bn
@@ -408,13 +419,15 @@ def _tgmm_tile(lhs_gmem, dout_gmem, ki, ni, group_info, tiles, interpret):
 
 def _tgmm_body(info_gmem, lhs_gmem, dout_gmem, out_gmem, *, tiles: MosaicTiles,
                interpret):
-    """Persistent loop over (group, K tile, N tile); see ``group_row_blocks``."""
+    """Persistent loop over (group, K tile, N tile), each group's tiles in bands of
+    ``tiles.tgmm_band_n`` N tiles (``band_order``); see ``group_row_blocks``."""
     g, k, n = out_gmem.shape
     bk, bn = tiles.tgmm_block_k, tiles.tgmm_block_n
 
-    @plgpu.nd_loop((g, k // bk, n // bn), collective_axes="sm")
+    @plgpu.nd_loop((g, (k // bk) * (n // bn)), collective_axes="sm")
     def _(info):
-        gi, ki, ni = info.index
+        gi, lin = info.index
+        ki, ni = band_order(lin, k // bk, n // bn, tiles.tgmm_band_n)
         group_info = tuple(info_gmem[i, gi] for i in range(4))
         acc = _tgmm_tile(lhs_gmem, dout_gmem, ki, ni, group_info, tiles, interpret)
 

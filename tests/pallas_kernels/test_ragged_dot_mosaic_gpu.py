@@ -7,6 +7,7 @@ shapes stay at M <= 200, K, N <= 128, tiles of 64.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import zlib
 
@@ -122,6 +123,43 @@ def test_tgmm_interpret_matches_numpy_loop(sizes, in_dtype, out_dtype):
     for gi, size in enumerate(sizes):
         if size == 0:
             assert not np.any(out[gi]), "empty groups must give 0"
+
+
+@pytest.mark.parametrize("band", [1, 2])
+def test_kernels_in_bands_match_references(band):
+    """N = 192 in 64-wide tiles: three column tiles, in bands of 1 (column-major,
+    snaking) and 2 (a full band then a narrower one, the second with rows backwards);
+    the order must not change a single output."""
+    tiles = dataclasses.replace(TILES, band_n=band, tgmm_band_n=band)
+    m, k, n, sizes = 200, 64, 192, [63, 2, 0, 71]  # straddling groups; rows 136.. are 0
+    lhs, rhs = _inputs(band, m, k, n, len(sizes), jnp.bfloat16)
+    gs = jnp.asarray(sizes, jnp.int32)
+    out = mg.gmm(lhs, rhs, gs, out_dtype=jnp.float32, tiles=tiles, interpret=MOSAIC_INTERPRET)
+    ref = jax.lax.ragged_dot(lhs, rhs, gs, preferred_element_type=jnp.float32)
+    _assert_close(jax.block_until_ready(out), ref, jnp.bfloat16)
+    assert not np.any(np.asarray(out)[sum(sizes):])
+    dout = _inputs(band + 7, m, k, n, len(sizes), jnp.bfloat16, rhs_rows=m)[1]
+    dw = mg.tgmm(lhs, dout, gs, out_dtype=jnp.float32, tiles=tiles, interpret=MOSAIC_INTERPRET)
+    _assert_close(jax.block_until_ready(dw), _tgmm_numpy(lhs, dout, sizes), jnp.bfloat16)
+    assert not mgpu.races_found()
+
+
+def _bands_brute(rows: int, cols: int, band: int) -> list[tuple[int, int]]:
+    """The banded order by its definition: bands of ``band`` columns left to right,
+    rows down (backwards in every other band), columns in order within a row."""
+    order = []
+    for i, c0 in enumerate(range(0, cols, band)):
+        for r in range(rows) if i % 2 == 0 else reversed(range(rows)):
+            order += [(r, c) for c in range(c0, min(c0 + band, cols))]
+    return order
+
+
+@pytest.mark.parametrize("rows,cols,band", [(5, 7, 2), (3, 6, 3), (4, 4, 16), (1, 5, 1),
+                                            (6, 112, 16), (7, 3, 2), (2, 9, 4)])
+def test_band_order(rows, cols, band):
+    r, c = jax.vmap(lambda i: mgpu.band_order(i, rows, cols, band))(jnp.arange(rows * cols))
+    assert list(zip(np.asarray(r).tolist(), np.asarray(c).tolist())) == \
+        _bands_brute(rows, cols, band)
 
 
 @pytest.mark.cpu_backend
@@ -275,15 +313,18 @@ def test_lowers_for_cuda(op, m, k, n, g, in_dtype, out_dtype):
     assert exported.out_avals[0].dtype == jnp.dtype(out_dtype)
 
 
-def test_lowers_with_single_stage_pipeline():
-    """max_concurrent_steps=1: no delayed release, each wgmma is waited for."""
-    tiles = mg.MosaicTiles(max_concurrent_steps=1, tgmm_max_concurrent_steps=1)
-    args = (_sds((256, 128), jnp.bfloat16), _sds((3, 128, 128), jnp.bfloat16),
+@pytest.mark.parametrize("tiles,n", [
+    (mg.MosaicTiles(max_concurrent_steps=1, tgmm_max_concurrent_steps=1), 128),
+    (mg.MosaicTiles(band_n=2, tgmm_band_n=2, block_n=64, tgmm_block_n=64), 192)])
+def test_lowers_with_single_stage_pipeline_or_bands(tiles, n):
+    """max_concurrent_steps=1: no delayed release, each wgmma is waited for; and
+    three column tiles in bands of 2 (a full band and a narrower one)."""
+    args = (_sds((256, 128), jnp.bfloat16), _sds((3, 128, n), jnp.bfloat16),
             _sds((3,), jnp.int32))
     f = lambda a, b, s: mg.gmm(a, b, s, out_dtype=jnp.float32, tiles=tiles)  # noqa: E731
     assert _custom_calls(jax.export.export(jax.jit(f), platforms=["cuda"])(*args))
     t = lambda a, b, s: mg.tgmm(a, b, s, out_dtype=jnp.float32, tiles=tiles)  # noqa: E731
-    args = (args[0], _sds((256, 128), jnp.bfloat16), args[2])
+    args = (args[0], _sds((256, n), jnp.bfloat16), args[2])
     assert _custom_calls(jax.export.export(jax.jit(t), platforms=["cuda"])(*args))
 
 
