@@ -3,9 +3,11 @@
 Interpret mode (the Mosaic GPU interpreter with its race detector) and the capability
 checks every backend's ``check`` composes (``platform_reason``, ``dtype_reason``,
 ``raise_if``); the persistent launch (``launch``: ``grid=(SMs,)`` named "sm") and the
-order its loops visit output tiles in (``band_order``); and kernel pieces: the pipelined wgmma tile GEMM (``gmm_tile``), row stores as a ladder of
-power-of-two TMA boxes (``store_rows``, ``store_smem_rows``) and one-row TMA gathers
-(``start_row_gathers``, ``gather_rows``). Imports only JAX and ``tiling``.
+order its loops visit output tiles in (``band_order``); and kernel pieces: the
+pipelined wgmma tile GEMM (``gmm_tile``), operands read transposed in SMEM
+(``transposed``), row stores as a ladder of power-of-two TMA boxes (``store_rows``,
+``store_smem_rows``) and one-row TMA gathers (``start_row_gathers``, ``gather_rows``).
+Imports only JAX and ``tiling``.
 """
 
 from __future__ import annotations
@@ -215,28 +217,62 @@ def store_smem_rows(o_smem, out_gmem, row0, lo, hi, col0, max_rows: int) -> None
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def gmm_tile(lhs_gmem, rhs_gmem, block, ni, tiles) -> jax.Array:
-    """f32[bm,bn] = lhs[block rows, :] @ rhs[:, ni cols] with a pipelined K loop.
+def transposed(ref, scratch=None):
+    """ref^T [cols, rows] (SMEM) as a wgmma operand.
+
+    Compiled: a transposed view (wgmma reads MN-major operands from SMEM). The
+    interpreter's wgmma cannot apply a transposed view (jax 0.10.2: ``TransposeTransform``
+    has no ``indices`` in ``to_range``), so there ``scratch`` (SMEM [cols, rows])
+    receives the transpose through registers first."""
+    if scratch is None:
+        return ref.transpose((1, 0))  # plgpu.transpose_ref is deprecated in JAX 0.11
+    scratch[...] = ref[...].T
+    plgpu.commit_smem()
+    return scratch
+
+
+def with_transpose_scratch(scope, acc_type, shape, dtype, interpret: bool):
+    """``scope(acc_ref)`` in a scope holding the accumulator ``acc_type``; in interpret
+    mode ``scope(acc_ref, scratch)`` with an SMEM scratch of ``shape`` for
+    ``transposed`` (the interpreter allocates registers and SMEM in separate scopes)."""
+    if not interpret:
+        return pl.run_scoped(scope, acc_type)
+    return pl.run_scoped(
+        lambda scratch: pl.run_scoped(lambda acc: scope(acc, scratch), acc_type),
+        plgpu.SMEM(shape, dtype))
+
+
+def gmm_tile(lhs_gmem, rhs_gmem, block, ni, tiles, *, rhs_transposed: bool = False,
+             interpret: bool = False) -> jax.Array:
+    """f32[bm,bn] = lhs[block rows, :] @ rhs[:, ni cols] with a pipelined K loop; with
+    ``rhs_transposed``, rhs_gmem is rhs^T [N, K] and its [bn, bk] tiles enter the wgmma
+    as ``transposed`` views (no transposed copy of rhs in GMEM).
 
     ``tiles``: any object with ``block_m, block_n, block_k, max_concurrent_steps``
     (``ragged_dot.mosaic_gpu.MosaicTiles``' forward fields)."""
     bm, bn, bk, steps = tiles.block_m, tiles.block_n, tiles.block_k, tiles.max_concurrent_steps
     k = lhs_gmem.shape[1]
     delay = release_delay(steps)
+    if rhs_transposed:
+        rhs_spec = plgpu.BlockSpec((bn, bk), lambda kk: (ni, kk), delay_release=delay)
+    else:
+        rhs_spec = plgpu.BlockSpec((bk, bn), lambda kk: (kk, ni), delay_release=delay)
 
-    def scope(acc_ref):
+    def scope(acc_ref, scratch=None):
+        def step(_, a, b):
+            mma(acc_ref, a, transposed(b, scratch) if rhs_transposed else b, steps)
+
         plgpu.emit_pipeline(
-            lambda _, a, b: mma(acc_ref, a, b, steps),
+            step,
             grid=(k // bk,),
-            in_specs=[
-                plgpu.BlockSpec((bm, bk), lambda kk: (block, kk), delay_release=delay),
-                plgpu.BlockSpec((bk, bn), lambda kk: (kk, ni), delay_release=delay),
-            ],
+            in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (block, kk), delay_release=delay),
+                      rhs_spec],
             max_concurrent_steps=steps,
         )(lhs_gmem, rhs_gmem)
         return acc_ref[...]
 
-    return pl.run_scoped(scope, plgpu.ACC((bm, bn), jnp.float32))
+    return with_transpose_scratch(scope, plgpu.ACC((bm, bn), jnp.float32), (bk, bn),
+                                  rhs_gmem.dtype, rhs_transposed and interpret)
 
 
 def launch(body, out_type, interpret):

@@ -10,12 +10,15 @@ A backend is a module in this folder (the protocol of ``frontdoor``) with
       -> [M, N]: out[m] = lhs[m] @ rhs[group of m], zeros past sum(group_sizes);
   ``tgmm(lhs[M, K], dout[M, N], group_sizes, *, out_dtype, tiles, interpret)``
       -> [G, K, N]: out[g] = lhs[rows of g]^T @ dout[rows of g];
-and one frozen tiles dataclass (gmm fields, and ``tgmm_*`` fields for tgmm). Backends
+and one frozen tiles dataclass (gmm fields, and ``tgmm_*`` fields for tgmm); and
+optionally ``gmm_t(lhs[M, N], rhs[G, K, N], group_sizes, ...)`` -> [M, K]:
+out[m] = lhs[m] @ rhs[group of m]^T, which the backward then runs for dlhs instead of
+transposing rhs in memory for gmm. Backends
 are tried in order (``frontdoor.choose``); the first whose ``check`` passes serves.
 
 The gradient of a Pallas backend is this file's ``custom_vjp``, the same for every
 backend: for out = ragged_dot(lhs, rhs),
-  dlhs = gmm(dout, rhs^T)   (rhs^T = swapaxes(rhs, 1, 2): [G, N, K])
+  dlhs = gmm(dout, rhs^T)   (rhs^T = swapaxes(rhs, 1, 2): [G, N, K]; or gmm_t(dout, rhs))
   drhs = tgmm(lhs, dout)
 with dout cast to the input dtype and float32 accumulation; group_sizes gets none.
 Each of the two falls back to the reference when the backend's ``check`` refuses it.
@@ -130,8 +133,13 @@ def _ragged_dot_grads(name, interpret, tiles, residuals, dout):
     names = (name, "reference")
     dlhs_name = _choose(names, dout, rhs_t, group_sizes, lhs.dtype, interpret)
     drhs_name = _choose(names, lhs, rhs, group_sizes, rhs.dtype, interpret)
-    dlhs = BACKENDS[dlhs_name].gmm(dout, rhs_t, group_sizes, out_dtype=lhs.dtype,
-                                   tiles=tiles, interpret=interpret)
+    backend = BACKENDS[dlhs_name]
+    if hasattr(backend, "gmm_t"):  # reads rhs transposed in place
+        dlhs = backend.gmm_t(dout, rhs, group_sizes, out_dtype=lhs.dtype, tiles=tiles,
+                             interpret=interpret)
+    else:
+        dlhs = backend.gmm(dout, rhs_t, group_sizes, out_dtype=lhs.dtype, tiles=tiles,
+                           interpret=interpret)
     drhs = BACKENDS[drhs_name].tgmm(lhs, dout, group_sizes, out_dtype=rhs.dtype,
                                     tiles=tiles, interpret=interpret)
     return dlhs, drhs, None

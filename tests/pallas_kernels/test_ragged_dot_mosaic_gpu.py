@@ -144,6 +144,26 @@ def test_kernels_in_bands_match_references(band):
     assert not mgpu.races_found()
 
 
+@pytest.mark.parametrize("band,sizes", [(16, [63, 2, 0, 71]), (1, [0, 200, 0, 0]),
+                                        (2, [1, 65, 0, 70])])
+def test_gmm_t_reads_rhs_transposed(band, sizes):
+    """gmm_t(lhs[M, N], rhs[G, K, N]) = lhs[m] @ rhs[g]^T, K = 192 (three column tiles
+    of the output), in bands, against lax.ragged_dot of the transposed rhs."""
+    tiles = dataclasses.replace(TILES, band_n=band)
+    m, k, n = 200, 192, 128
+    lhs = _inputs(band + 3, m, n, n, 1, jnp.bfloat16)[0]  # [M, N]
+    rhs = _inputs(band + 4, m, k, n, len(sizes), jnp.bfloat16)[1]  # [G, K, N]
+    gs = jnp.asarray(sizes, jnp.int32)
+    out = mg.gmm_t(lhs, rhs, gs, out_dtype=jnp.float32, tiles=tiles,
+                   interpret=MOSAIC_INTERPRET)
+    ref = jax.lax.ragged_dot(lhs, jnp.swapaxes(rhs, 1, 2), gs,
+                             preferred_element_type=jnp.float32)
+    assert out.shape == (m, k)
+    _assert_close(jax.block_until_ready(out), ref, jnp.bfloat16)
+    assert not np.any(np.asarray(out)[sum(sizes):])
+    assert not mgpu.races_found()
+
+
 def _bands_brute(rows: int, cols: int, band: int) -> list[tuple[int, int]]:
     """The banded order by its definition: bands of ``band`` columns left to right,
     rows down (backwards in every other band), columns in order within a row."""
@@ -324,8 +344,13 @@ def test_lowers_with_single_stage_pipeline_or_bands(tiles, n):
     f = lambda a, b, s: mg.gmm(a, b, s, out_dtype=jnp.float32, tiles=tiles)  # noqa: E731
     assert _custom_calls(jax.export.export(jax.jit(f), platforms=["cuda"])(*args))
     t = lambda a, b, s: mg.tgmm(a, b, s, out_dtype=jnp.float32, tiles=tiles)  # noqa: E731
-    args = (args[0], _sds((256, n), jnp.bfloat16), args[2])
-    assert _custom_calls(jax.export.export(jax.jit(t), platforms=["cuda"])(*args))
+    dout = _sds((256, n), jnp.bfloat16)
+    assert _custom_calls(jax.export.export(jax.jit(t), platforms=["cuda"])(args[0], dout,
+                                                                            args[2]))
+    # gmm_t: dout [256, n] @ rhs[g]^T, rhs [3, 128, n] read transposed
+    f = lambda a, b, s: mg.gmm_t(a, b, s, out_dtype=jnp.float32, tiles=tiles)  # noqa: E731
+    assert _custom_calls(jax.export.export(jax.jit(f), platforms=["cuda"])(dout, args[1],
+                                                                            args[2]))
 
 
 @pytest.mark.gpu
