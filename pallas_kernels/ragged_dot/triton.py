@@ -144,10 +144,12 @@ def _resolve_tiles(tiles, m: int, k: int, n: int, dtype) -> TritonTiles:
     return tiles
 
 
-def _gmm_kernel(sched_ref, lhs_ref, rhs_ref, out_ref, *, tiles: KernelTiles, dims):
+def _gmm_kernel(sched_ref, lhs_ref, rhs_ref, out_ref, *, tiles: KernelTiles, dims,
+                rhs_transposed: bool):
     """One (step, N tile) program: out[tile rows in group, n tile] = lhs @ rhs[group].
 
-    sched_ref: int32[5, T]. lhs_ref: [M, K]. rhs_ref: [G, K, N]. out_ref: [M, N].
+    sched_ref: int32[5, T]. lhs_ref: [M, K]. rhs_ref: [G, K, N], or [G, N, K] with
+    ``rhs_transposed`` (its [bn, bk] blocks enter the dot transposed). out_ref: [M, N].
     """
     m, k, n = dims
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
@@ -164,9 +166,13 @@ def _gmm_kernel(sched_ref, lhs_ref, rhs_ref, out_ref, *, tiles: KernelTiles, dim
         k_ok = tail_mask(k0, bk, k)
         a = load(lhs_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)],
                   mask2d(in_group, k_ok))
-        b = load(rhs_ref.at[group, pl.ds(k0, bk), pl.ds(col0, bn)],
-                  mask2d(k_ok, col_ok))
-        return acc + plgpu.dot(a, b)
+        if rhs_transposed:
+            b = load(rhs_ref.at[group, pl.ds(col0, bn), pl.ds(k0, bk)],
+                     mask2d(col_ok, k_ok))
+        else:
+            b = load(rhs_ref.at[group, pl.ds(k0, bk), pl.ds(col0, bn)],
+                     mask2d(k_ok, col_ok))
+        return acc + plgpu.dot(a, b, trans_b=rhs_transposed)
 
     acc = lax.fori_loop(0, steps_if(row_hi > row_lo, pl.cdiv(k, bk)), body,
                         jnp.zeros((bm, bn), jnp.float32))
@@ -189,12 +195,26 @@ def gmm(lhs, rhs, group_sizes, *, out_dtype, tiles=None, interpret=False) -> jax
     Returns:
       [M, N] in ``out_dtype``.
     """
-    check(lhs, rhs, group_sizes, out_dtype)
-    (m, k), (_, _, n) = lhs.shape, rhs.shape
+    return _gmm(lhs, rhs, group_sizes, out_dtype, tiles, interpret, rhs_transposed=False)
+
+
+def gmm_t(lhs, rhs, group_sizes, *, out_dtype, tiles=None, interpret=False) -> jax.Array:
+    """out[m] = lhs[m] @ rhs[g(m)]^T for lhs [M, N] and rhs [G, K, N] -> [M, K]: the
+    backward's dlhs, reading rhs's blocks transposed instead of a transposed copy of
+    rhs. Args as ``gmm`` (its gmm tiles)."""
+    return _gmm(lhs, rhs, group_sizes, out_dtype, tiles, interpret, rhs_transposed=True)
+
+
+def _gmm(lhs, rhs, group_sizes, out_dtype, tiles, interpret, *, rhs_transposed: bool):
+    g, k, n = rhs.shape
+    b = jax.ShapeDtypeStruct((g, n, k) if rhs_transposed else (g, k, n), rhs.dtype)
+    check(lhs, b, group_sizes, out_dtype)
+    (m, k), (_, _, n) = lhs.shape, b.shape
     kt = _resolve_tiles(tiles, m, k, n, lhs.dtype).gmm
     schedule = gmm_schedule(group_sizes, m, kt.block_m)
     return pl.pallas_call(
-        functools.partial(_gmm_kernel, tiles=kt, dims=(m, k, n)),
+        functools.partial(_gmm_kernel, tiles=kt, dims=(m, k, n),
+                          rhs_transposed=rhs_transposed),
         out_shape=out_type((m, n), out_dtype, lhs, rhs, group_sizes),
         grid=(schedule.shape[1], pl.cdiv(n, kt.block_n)),
         compiler_params=plgpu.CompilerParams(num_warps=kt.num_warps,
