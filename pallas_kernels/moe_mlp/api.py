@@ -154,16 +154,22 @@ def _kernel_fwd(x, sort_order, weights, group_sizes, nv, gate, up, down, biases,
 
 
 def _gemms(name: str, group_sizes, tiles, interpret: bool):
-    """(gmm, tgmm) of ragged_dot's backend ``name`` bound to group_sizes and tiles."""
+    """(gmm, gmm_t, tgmm) of ragged_dot's backend ``name`` bound to group_sizes and
+    tiles; gmm_t(lhs, rhs) = lhs[m] @ rhs[group]^T by the backend's own ``gmm_t`` (rhs
+    read transposed in place), else by gmm on a transposed copy of rhs."""
     backend = ragged_dot_api.BACKENDS[name]
     kw = dict(tiles=tiles, interpret=interpret)
-    return (lambda lhs, rhs, dt: backend.gmm(lhs, rhs, group_sizes, out_dtype=dt, **kw),
-            lambda lhs, dout, dt: backend.tgmm(lhs, dout, group_sizes, out_dtype=dt, **kw))
 
+    def gmm(lhs, rhs, dt):
+        return backend.gmm(lhs, rhs, group_sizes, out_dtype=dt, **kw)
 
-def _transposed(w):
-    """[E, A, B] -> [E, B, A]."""
-    return jnp.swapaxes(w, 1, 2)
+    def gmm_t(lhs, rhs, dt):
+        if hasattr(backend, "gmm_t"):
+            return backend.gmm_t(lhs, rhs, group_sizes, out_dtype=dt, **kw)
+        return gmm(lhs, jnp.swapaxes(rhs, 1, 2), dt)
+
+    return gmm, gmm_t, lambda lhs, dout, dt: backend.tgmm(lhs, dout, group_sizes,
+                                                          out_dtype=dt, **kw)
 
 
 def _hidden_and_vjp(gmm, rows, gate, up, activation: str):
@@ -194,24 +200,23 @@ def _kernel_bwd(name, mlp, interpret, tiles, precision, residuals, dy):
 def _kernel_grads(name, activation, interpret, tiles, residuals, dy):
     x, sort_order, weights, group_sizes, nv, gate, up, down = residuals
     dtype, top_k, f32 = x.dtype, weights.shape[1], jnp.float32
-    gmm, tgmm = _gemms(name, group_sizes, BACKENDS[name].backward_tiles(tiles), interpret)
+    gmm, gmm_t, tgmm = _gemms(name, group_sizes, BACKENDS[name].backward_tiles(tiles),
+                              interpret)
     permute = functools.partial(permute_api.BACKENDS[name].permute, sort_order=sort_order,
                                 num_valid=nv, top_k=top_k, interpret=interpret)
     rows = permute(x)
     h, act_vjp = _hidden_and_vjp(gmm, rows, gate, up, activation)
     h = h.astype(dtype)
     dy_rows = permute(dy.astype(f32))  # [M, D], zero past nv
-    g = gmm(dy_rows.astype(dtype), _transposed(down), f32)
+    g = gmm_t(dy_rows.astype(dtype), down, f32)
     w = jnp.take(weights.reshape(-1).astype(f32), sort_order)[:, None]
     dweights = _assignment_values(jnp.sum(h.astype(f32) * g, axis=1), sort_order, weights.shape)
     ddown = tgmm(h, (w * dy_rows).astype(dtype), down.dtype)
     dh = (w * g).astype(dtype).astype(f32)  # h entered the down GEMM in the compute dtype
     d_pre = [d.astype(dtype) for d in act_vjp(dh)]
     mats = (up,) if gate is None else (gate, up)
-    # One GEMM over [dgate | dup] [M, 2F] and [gate^T; up^T] [E, 2F, D]: the concat
-    # fuses with the transposes that separate GEMMs would copy anyway.
-    drows = gmm(jnp.concatenate(d_pre, axis=1),
-                jnp.concatenate([_transposed(m) for m in mats], axis=1), f32)
+    # One GEMM over [dgate | dup] [M, 2F] and [gate | up] [E, D, 2F] read transposed
+    drows = gmm_t(jnp.concatenate(d_pre, axis=1), jnp.concatenate(mats, axis=2), f32)
     dmats = [tgmm(rows, d, m.dtype) for d, m in zip(d_pre, mats)]
     dx = permute_api.BACKENDS[name].permute_bwd(drows, sort_order, nv, top_k=top_k,
                                                 x_dtype=dtype, interpret=interpret)
