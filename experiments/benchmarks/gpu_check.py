@@ -28,9 +28,9 @@ cost, so this is the device time; ``torch._grouped_mm`` is timed with CUDA event
 Rows put each kernel against a dense matmul of equal FLOPs (the ceiling, measured in
 the same run), ``jax.lax.ragged_dot`` and ``torch._grouped_mm`` (when torch with CUDA
 imports), at uniform and Zipf-skewed group sizes. At the Mixtral shape the Mosaic GPU
-grouped GEMM also runs with its output tiles in other orders (``BANDS``: row-major, its
-order before bands, and bands of 4, 8 and 32 column tiles), as backends
-"mosaic_gpu.<order>".
+grouped GEMM also runs with other tiles (``TILE_VARIANTS``: its row-major tile order
+before bands, bands of 8 and 32 column tiles, [64, 256] output tiles), as backends
+"mosaic_gpu.<variant>".
 
 A step that fails is recorded with its error and the run goes on; the JSON is
 rewritten after each step. A worker process runs the steps; where it dies (a kernel
@@ -137,14 +137,14 @@ class Shape:
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One shape in one dtype under one ``jax.default_matmul_precision`` (None: JAX's
-    default); ``timed`` cases are also timed; ``bands``: the Mosaic GPU grouped GEMM
-    is also checked (and timed) with its tiles visited in these orders (``BANDS``)."""
+    default); ``timed`` cases are also timed; ``tile_variants``: the Mosaic GPU grouped
+    GEMM is also checked (and timed) with these ``TILE_VARIANTS`` of its tiles."""
 
     shape: Shape
     dtype: str
     precision: str | None = None
     timed: bool = False
-    bands: tuple[str, ...] = ()  # ``BANDS`` the Mosaic GPU grouped GEMM also runs in
+    tile_variants: tuple[str, ...] = ()  # ``TILE_VARIANTS`` of the Mosaic GPU grouped GEMM
 
     @property
     def name(self) -> str:
@@ -159,10 +159,14 @@ class Case:
         return 1e-4 if self.precision == "highest" else 2e-3
 
 
-# Orders of the Mosaic GPU grouped GEMM's output tiles beside its default (bands of
-# 16 column tiles, ``MosaicTiles.band_n``), as backend "mosaic_gpu.<name>": its
-# row-major order before the bands, and narrower and wider bands.
-BANDS = {"row_major": 1 << 30, "band4": 4, "band8": 8, "band32": 32}
+# Changes to the Mosaic GPU grouped GEMM's default tiles (``MosaicTiles.for_shape``)
+# run beside it as backend "mosaic_gpu.<name>": its row-major tile order before the
+# bands of 16 column tiles (``band_n``), narrower and wider bands, and [64, 256] output
+# tiles (one m64n256 wgmma per K step instead of two m64n128).
+TILE_VARIANTS = {"row_major": dict(band_n=1 << 30, tgmm_band_n=1 << 30),
+                 "band8": dict(band_n=8, tgmm_band_n=8),
+                 "band32": dict(band_n=32, tgmm_band_n=32),
+                 "m64n256": dict(block_m=64, block_n=256)}
 SMALL = Shape("small", E=8, D=256, F=192, K=2, T=264)
 MIXTRAL = Shape("mixtral", E=8, D=4096, F=14336, K=2, T=4096)
 FINE = Shape("fine", E=128, D=2048, F=768, K=8, T=2048)
@@ -171,7 +175,7 @@ ODD = Shape("odd", E=6, D=200, F=136, K=3, T=37)  # unaligned: Mosaic GPU refuse
 # Most valuable first (a run cut short by --budget-s keeps what it did): every kernel
 # at the two real shapes in bf16, timed; the precision rule; unaligned shapes.
 GPU_PLAN = (
-    Case(MIXTRAL, "bfloat16", timed=True, bands=tuple(BANDS)),
+    Case(MIXTRAL, "bfloat16", timed=True, tile_variants=tuple(TILE_VARIANTS)),
     Case(FINE, "bfloat16", timed=True),
     Case(SMALL, "float32", "highest"),
     Case(SMALL, "float32"),
@@ -184,7 +188,7 @@ GPU_PLAN = (
 # (Unaligned shapes are left to the kernel tests, which run Triton at odd shapes.)
 DRY_PLAN = (
     Case(Shape("tiny", E=4, D=128, F=64, K=2, T=16), "bfloat16", timed=True,
-         bands=("row_major",)),
+         tile_variants=("row_major",)),
     Case(Shape("tiny", E=4, D=128, F=64, K=2, T=16), "float32", "highest"),
 )
 OPS = ("ragged_dot", "moe_mlp", "layer", "route", "permute", "combine")
@@ -310,10 +314,10 @@ def ragged_dot_problem(s: Shape, dtype, rng) -> Problem:
     diff = dict(lhs=normal(rng, (M, s.D)), rhs=normal(rng, (s.E, s.D, s.F), s.D ** -0.5))
 
     def fn(name):
-        name, _, band = name.partition(".")  # "mosaic_gpu.<BANDS key>"
-        tiles = band and {name: dataclasses.replace(
+        name, _, variant = name.partition(".")  # "mosaic_gpu.<TILE_VARIANTS key>"
+        tiles = variant and {name: dataclasses.replace(
             ragged_dot_mosaic_gpu.MosaicTiles.for_shape(M, s.D, s.F, s.E),
-            band_n=BANDS[band], tgmm_band_n=BANDS[band])}
+            **TILE_VARIANTS[variant])}
 
         def f(diff, fixed):
             return dict(out=ragged_dot_api.ragged_dot(
@@ -559,7 +563,7 @@ def plan_steps(plan, only: str | None = None) -> list[Step]:
         if case.timed:
             steps.append(Step("peers", case))
         for op in OPS:
-            names = backends(op) + ([f"mosaic_gpu.{band}" for band in case.bands]
+            names = backends(op) + ([f"mosaic_gpu.{v}" for v in case.tile_variants]
                                     if op == "ragged_dot" else [])
             steps += [Step("check", case, op, name) for name in names]
     return [s for s in steps
