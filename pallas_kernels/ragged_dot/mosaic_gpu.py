@@ -129,7 +129,7 @@ class MosaicTiles:
         row tiles of 16 columns, at the Mixtral shape about one expert's rows (1024
         rows per expert in tiles of 128), which read the expert's rhs band from HBM
         once rather than once per row tile. Chosen by that arithmetic, not measured
-        yet: gpu_check.py times the row-major order and other bands beside it.
+        yet: gpu_check.py times the row-major order and other tiles beside it.
         """
         avg_rows = m / max(num_groups, 1)
         block_m = 64 if avg_rows < 128 else 128
