@@ -140,6 +140,14 @@ def vjp_fn(name: str):
     return jax.jit(f)
 
 
+def backend_op(name: str, op: str):
+    """jit of backend ``name``'s ``op`` ("tgmm", "gmm_t") with GEOMETRY's tiles and a
+    float32 output (interpreted on the CPU)."""
+    return jax.jit(functools.partial(getattr(api.BACKENDS[name], op), out_dtype=jnp.float32,
+                                     tiles=geometry(name).tiles,
+                                     interpret=jax.default_backend() == "cpu"))
+
+
 def numpy_gmm(lhs, rhs, sizes) -> np.ndarray:
     """out[m] = lhs[m] @ rhs[group of m] in float64 (zeros past the sum), as float32."""
     lhs, rhs = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
@@ -190,9 +198,7 @@ def test_tgmm_matches_numpy_loop(name, dtype):
     geo = geometry(name)
     skip_unless_served(name, dtype, geo.shape)
     m, k, n, g = geo.shape
-    tgmm = jax.jit(functools.partial(api.BACKENDS[name].tgmm, out_dtype=jnp.float32,
-                                     tiles=geo.tiles,
-                                     interpret=jax.default_backend() == "cpu"))
+    tgmm = backend_op(name, "tgmm")
     for seed, (case, sizes) in enumerate(group_cases(m, g, geo.block_m).items()):
         lhs, _, dout = operands(seed + 50, dtype, geo.shape)
         out = tgmm(lhs, dout, sizes)
@@ -209,9 +215,7 @@ def test_gmm_t_matches_numpy(name, dtype):
     geo = geometry(name)
     skip_unless_served(name, dtype, geo.shape)
     m, k, n, g = geo.shape
-    gmm_t = jax.jit(functools.partial(api.BACKENDS[name].gmm_t, out_dtype=jnp.float32,
-                                      tiles=geo.tiles,
-                                      interpret=jax.default_backend() == "cpu"))
+    gmm_t = backend_op(name, "gmm_t")
     for seed, (case, sizes) in enumerate(group_cases(m, g, geo.block_m).items()):
         _, rhs, dout = operands(seed + 90, dtype, geo.shape)
         out = gmm_t(dout, rhs, sizes)
