@@ -144,7 +144,7 @@ class Case:
     dtype: str
     precision: str | None = None
     timed: bool = False
-    tile_variants: tuple[str, ...] = ()  # ``TILE_VARIANTS`` of the Mosaic GPU grouped GEMM
+    tile_variants: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:

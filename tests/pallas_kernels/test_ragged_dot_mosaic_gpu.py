@@ -2,7 +2,7 @@
 references, the schedules, the refusals, and CUDA lowering with ``jax.export``.
 
 Interpret mode simulates GMEM/SMEM, TMA, barriers and wgmma on the CPU, and is slow:
-shapes stay at M <= 200, K, N <= 128, tiles of 64.
+shapes stay at M <= 200, K, N <= 192, tiles of 64.
 """
 
 from __future__ import annotations
@@ -337,8 +337,9 @@ def test_lowers_for_cuda(op, m, k, n, g, in_dtype, out_dtype):
     (mg.MosaicTiles(max_concurrent_steps=1, tgmm_max_concurrent_steps=1), 128),
     (mg.MosaicTiles(band_n=2, tgmm_band_n=2, block_n=64, tgmm_block_n=64), 192)])
 def test_lowers_with_single_stage_pipeline_or_bands(tiles, n):
-    """max_concurrent_steps=1: no delayed release, each wgmma is waited for; and
-    three column tiles in bands of 2 (a full band and a narrower one)."""
+    """gmm, tgmm and gmm_t with max_concurrent_steps=1 (no delayed release, each wgmma
+    waited for), and with three column tiles in bands of 2 (a full band and a narrower
+    one)."""
     args = (_sds((256, 128), jnp.bfloat16), _sds((3, 128, n), jnp.bfloat16),
             _sds((3,), jnp.int32))
     f = lambda a, b, s: mg.gmm(a, b, s, out_dtype=jnp.float32, tiles=tiles)  # noqa: E731
@@ -348,9 +349,9 @@ def test_lowers_with_single_stage_pipeline_or_bands(tiles, n):
     assert _custom_calls(jax.export.export(jax.jit(t), platforms=["cuda"])(args[0], dout,
                                                                             args[2]))
     # gmm_t: dout [256, n] @ rhs[g]^T, rhs [3, 128, n] read transposed
-    f = lambda a, b, s: mg.gmm_t(a, b, s, out_dtype=jnp.float32, tiles=tiles)  # noqa: E731
-    assert _custom_calls(jax.export.export(jax.jit(f), platforms=["cuda"])(dout, args[1],
-                                                                            args[2]))
+    ft = lambda a, b, s: mg.gmm_t(a, b, s, out_dtype=jnp.float32, tiles=tiles)  # noqa: E731
+    assert _custom_calls(jax.export.export(jax.jit(ft), platforms=["cuda"])(dout, args[1],
+                                                                             args[2]))
 
 
 @pytest.mark.gpu
