@@ -318,14 +318,16 @@ def ragged_dot_problem(s: Shape, dtype, rng) -> Problem:
 
     def fn(name):
         name, _, variant = name.partition(".")  # "mosaic_gpu.<TILE_VARIANTS key>"
-        tiles = variant and {name: dataclasses.replace(
-            ragged_dot_mosaic_gpu.MosaicTiles.for_shape(M, s.D, s.F, s.E),
-            **TILE_VARIANTS[variant])}
+        tiles = None
+        if variant:
+            tiles = {name: dataclasses.replace(
+                ragged_dot_mosaic_gpu.MosaicTiles.for_shape(M, s.D, s.F, s.E),
+                **TILE_VARIANTS[variant])}
 
         def f(diff, fixed):
             return dict(out=ragged_dot_api.ragged_dot(
                 diff["lhs"], diff["rhs"], fixed["group_sizes"], preferred_element_type=F32,
-                implementation=name, tiles=tiles or None)), {}
+                implementation=name, tiles=tiles)), {}
         return f
 
     def reference(diff, fixed):

@@ -155,8 +155,7 @@ def _kernel_fwd(x, sort_order, weights, group_sizes, nv, gate, up, down, biases,
 
 def _gemms(name: str, group_sizes, tiles, interpret: bool):
     """(gmm, gmm_t, tgmm) of ragged_dot's backend ``name`` bound to group_sizes and
-    tiles; gmm_t(lhs, rhs) = lhs[m] @ rhs[group]^T by the backend's own ``gmm_t`` (rhs
-    read transposed in place), else by gmm on a transposed copy of rhs."""
+    tiles; gmm_t(lhs, rhs) = lhs[m] @ rhs[group]^T (``ragged_dot_api.gmm_t``)."""
     backend = ragged_dot_api.BACKENDS[name]
     kw = dict(tiles=tiles, interpret=interpret)
 
@@ -164,9 +163,7 @@ def _gemms(name: str, group_sizes, tiles, interpret: bool):
         return backend.gmm(lhs, rhs, group_sizes, out_dtype=dt, **kw)
 
     def gmm_t(lhs, rhs, dt):
-        if hasattr(backend, "gmm_t"):
-            return backend.gmm_t(lhs, rhs, group_sizes, out_dtype=dt, **kw)
-        return gmm(lhs, jnp.swapaxes(rhs, 1, 2), dt)
+        return ragged_dot_api.gmm_t(name, lhs, rhs, group_sizes, out_dtype=dt, **kw)
 
     return gmm, gmm_t, lambda lhs, dout, dt: backend.tgmm(lhs, dout, group_sizes,
                                                           out_dtype=dt, **kw)

@@ -126,6 +126,18 @@ def _kernel_ragged_dot_bwd(name, out_dtype, interpret, tiles, precision, residua
         return _ragged_dot_grads(name, interpret, tiles, residuals, dout)
 
 
+def gmm_t(name: str, lhs, rhs, group_sizes, *, out_dtype, tiles, interpret) -> jax.Array:
+    """[M, K]: lhs[m] @ rhs[group of m]^T for lhs [M, N], rhs [G, K, N], by backend
+    ``name``: its own ``gmm_t`` (rhs read transposed in place) where it has one, else
+    its gmm on a transposed copy of rhs."""
+    backend = BACKENDS[name]
+    if hasattr(backend, "gmm_t"):
+        return backend.gmm_t(lhs, rhs, group_sizes, out_dtype=out_dtype, tiles=tiles,
+                             interpret=interpret)
+    return backend.gmm(lhs, jnp.swapaxes(rhs, 1, 2), group_sizes, out_dtype=out_dtype,
+                       tiles=tiles, interpret=interpret)
+
+
 def _ragged_dot_grads(name, interpret, tiles, residuals, dout):
     lhs, rhs, group_sizes = residuals
     dout = dout.astype(lhs.dtype)
@@ -133,13 +145,8 @@ def _ragged_dot_grads(name, interpret, tiles, residuals, dout):
     names = (name, "reference")
     dlhs_name = _choose(names, dout, rhs_t, group_sizes, lhs.dtype, interpret)
     drhs_name = _choose(names, lhs, rhs, group_sizes, rhs.dtype, interpret)
-    backend = BACKENDS[dlhs_name]
-    if hasattr(backend, "gmm_t"):  # reads rhs transposed in place
-        dlhs = backend.gmm_t(dout, rhs, group_sizes, out_dtype=lhs.dtype, tiles=tiles,
-                             interpret=interpret)
-    else:
-        dlhs = backend.gmm(dout, rhs_t, group_sizes, out_dtype=lhs.dtype, tiles=tiles,
-                           interpret=interpret)
+    dlhs = gmm_t(dlhs_name, dout, rhs, group_sizes, out_dtype=lhs.dtype, tiles=tiles,
+                 interpret=interpret)
     drhs = BACKENDS[drhs_name].tgmm(lhs, dout, group_sizes, out_dtype=rhs.dtype,
                                     tiles=tiles, interpret=interpret)
     return dlhs, drhs, None
