@@ -190,12 +190,16 @@ def store_rows(tile, out_gmem, row0, lo, hi, col0, max_rows: int) -> None:
     pl.run_scoped(scope, plgpu.SMEM(tile.shape, out_gmem.dtype))
 
 
-def store_smem_rows(o_smem, out_gmem, row0, lo, hi, col0, max_rows: int) -> None:
+def store_smem_rows(o_smem, out_gmem, row0, lo, hi, col0, max_rows: int, *,
+                    wait: bool = True) -> None:
     """out[row0+lo : row0+hi, col0 : col0+bn] = o_smem[lo:hi] by TMA stores.
 
     ``hi - lo`` is only known at run time, a TMA box's shape at compile time: the
     rows go out as a ladder of power-of-two boxes (largest first), one per set bit
-    of ``hi - lo``. ``max_rows`` (<= the tile height) bounds ``hi - lo``.
+    of ``hi - lo``. ``max_rows`` (<= the tile height) bounds ``hi - lo``. With
+    ``wait=False`` the stores stay in flight: the caller waits
+    (``plgpu.wait_smem_to_gmem(0, wait_read_only=True)``) before it writes ``o_smem``
+    again and before the kernel ends.
     """
     bn = o_smem.shape[1]
     plgpu.commit_smem()
@@ -214,7 +218,8 @@ def store_smem_rows(o_smem, out_gmem, row0, lo, hi, col0, max_rows: int) -> None
 
         offset = offset + (size & this)
         rows //= 2
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    if wait:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def transposed(ref, scratch=None):
@@ -275,9 +280,11 @@ def gmm_tile(lhs_gmem, rhs_gmem, block, ni, tiles, *, rhs_transposed: bool = Fal
                                   rhs_gmem.dtype, rhs_transposed and interpret)
 
 
-def launch(body, out_type, interpret):
+def launch(body, out_type, interpret, *, warpgroups: int = 1):
     """A persistent Mosaic GPU kernel over ``grid=(programs,)`` named "sm", whose
-    outputs vary like its operands inside ``shard_map`` (``varying_like``)."""
+    outputs vary like its operands inside ``shard_map`` (``varying_like``). With
+    ``warpgroups`` > 1 each program runs that many warpgroups, named "wg"."""
+    threads = {} if warpgroups == 1 else dict(num_threads=warpgroups, thread_name="wg")
     kernel = plgpu.kernel(
         body,
         out_type=out_type,
@@ -285,6 +292,7 @@ def launch(body, out_type, interpret):
         grid_names=("sm",),
         compiler_params=COMPILER_PARAMS,
         interpret=interpret_arg(interpret),
+        **threads,
     )
     return lambda *operands: varying_like(kernel(*operands), *operands)
 

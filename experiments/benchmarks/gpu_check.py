@@ -30,7 +30,8 @@ the same run), ``jax.lax.ragged_dot`` and ``torch._grouped_mm`` (when torch with
 imports), at uniform and Zipf-skewed group sizes. At the Mixtral shape the Mosaic GPU
 grouped GEMM also runs with other tiles (``TILE_VARIANTS``: its row-major tile order
 before bands, bands of 8 and 32 column tiles, [64, 256] output tiles, a 6-step
-pipeline, tgmm steps of 128 rows), as backends "mosaic_gpu.<variant>".
+pipeline, tgmm steps of 128 rows, gmm warp-specialized), as backends
+"mosaic_gpu.<variant>".
 
 A step that fails is recorded with its error and the run goes on; the JSON is
 rewritten after each step. A worker process runs the steps; where it dies (a kernel
@@ -163,13 +164,17 @@ class Case:
 # run beside it as backend "mosaic_gpu.<name>": its row-major tile order before the
 # bands of 16 column tiles (``band_n``), narrower and wider bands, [64, 256] output
 # tiles (one m64n256 wgmma per K step instead of two m64n128), a pipeline 6 steps deep
-# instead of 4, and tgmm steps of 128 rows instead of 64 (half the steps per tile).
+# instead of 4, tgmm steps of 128 rows instead of 64 (half the steps per tile), and gmm
+# (with gmm_t) warp-specialized: a copy warpgroup and two compute warpgroups on
+# [128, 256] tiles, in bands of 16 and of 8 such tiles (the same columns as 16 of 128).
 TILE_VARIANTS = {"row_major": dict(band_n=1 << 30, tgmm_band_n=1 << 30),
                  "band8": dict(band_n=8, tgmm_band_n=8),
                  "band32": dict(band_n=32, tgmm_band_n=32),
                  "m64n256": dict(block_m=64, block_n=256),
                  "steps6": dict(max_concurrent_steps=6),
-                 "tgmm_m128": dict(tgmm_block_m=128)}
+                 "tgmm_m128": dict(tgmm_block_m=128),
+                 "ws": dict(compute_wgs=2),
+                 "ws_band8": dict(compute_wgs=2, band_n=8)}
 SMALL = Shape("small", E=8, D=256, F=192, K=2, T=264)
 MIXTRAL = Shape("mixtral", E=8, D=4096, F=14336, K=2, T=4096)
 FINE = Shape("fine", E=128, D=2048, F=768, K=8, T=2048)

@@ -107,6 +107,10 @@ class MosaicMoeMlpTiles:
             if v is not None and not isinstance(v, kind):
                 raise ValueError(f"MosaicMoeMlpTiles.{name} must be {kind.__name__} or "
                                  f"None; got {type(v).__name__}")
+        if self.down is not None and self.down.compute_wgs != 1:
+            raise ValueError("MosaicMoeMlpTiles.down.compute_wgs must be 1: the down "
+                             "kernel runs one warpgroup (warp specialization is "
+                             "ragged_dot's gmm only, e.g. in MosaicMoeMlpTiles.backward)")
 
 
 def check(x: jax.Array, weights: jax.Array, up_edf: jax.Array, *,

@@ -70,7 +70,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from aristax.pallas_kernels.mosaic_gpu_common import (
     ALIGN, ROW_ALIGN, SMEM_BYTES, band_order, dtype_reason,
     gmm_tile, launch, mma, platform_reason, raise_if, release_delay, resolve_interpret,
-    store_rows, transposed, with_transpose_scratch,
+    store_rows, store_smem_rows, transposed, with_transpose_scratch,
 )
 
 
@@ -93,6 +93,9 @@ class MosaicTiles:
     ``band_n`` / ``tgmm_band_n``: the persistent loops visit output tiles in bands of
     this many column tiles (``mosaic_gpu_common.band_order``; at least the number of
     column tiles: row-major), so the tiles in flight share their operands in L2.
+    ``compute_wgs``: 1, or 2 for gmm (and gmm_t) warp-specialized (``_gmm_ws_body``):
+    output tiles of [block_m, 2 * block_n], a copy warpgroup and two compute
+    warpgroups of [block_m, block_n] each; tgmm always runs one warpgroup.
     """
 
     block_m: int = 128
@@ -105,6 +108,7 @@ class MosaicTiles:
     tgmm_max_concurrent_steps: int = 3
     band_n: int = 16
     tgmm_band_n: int = 16
+    compute_wgs: int = 1
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -113,6 +117,9 @@ class MosaicTiles:
                 raise ValueError(f"MosaicTiles.{f.name} must be a positive int; got {v!r}")
             if "block" in f.name and v % ALIGN:
                 raise ValueError(f"MosaicTiles.{f.name}={v} is not a multiple of {ALIGN}")
+        if self.compute_wgs not in (1, 2):
+            raise ValueError(f"MosaicTiles.compute_wgs must be 1 or 2 (warpgroups computing "
+                             f"one output tile); got {self.compute_wgs}")
 
     @classmethod
     def for_shape(cls, m: int, k: int, n: int, num_groups: int) -> MosaicTiles:
@@ -152,16 +159,21 @@ class MosaicTiles:
         """SMEM of one program: the pipeline's operand buffers and the output tile,
         plus 1 KiB for barriers. The tile comes after the pipeline (a later scope, so
         the larger of the two counts), or, with ``out_tile_with_pipeline`` (a kernel
-        that holds its tile around the pipeline, e.g. moe_mlp's ``down_combine``),
-        alongside it (the sum)."""
+        that holds its tile around the pipeline, e.g. moe_mlp's ``down_combine``) or
+        ``compute_wgs`` > 1 (its store buffers, see ``_gmm_ws_body``), alongside it
+        (the sum)."""
         if tgmm:
             bm, bk, bn = self.tgmm_block_m, self.tgmm_block_k, self.tgmm_block_n
             operands = self.tgmm_max_concurrent_steps * (bm * bk + bm * bn) * in_itemsize
             out = bk * bn * out_itemsize
         else:
-            bm, bk, bn = self.block_m, self.block_k, self.block_n
-            operands = self.max_concurrent_steps * (bm * bk + bk * bn) * in_itemsize
-            out = bm * bn * out_itemsize
+            bm, bk, wgs = self.block_m, self.block_k, self.compute_wgs
+            operands = self.max_concurrent_steps * (bm * bk + bk * wgs * self.block_n)
+            operands *= in_itemsize
+            if wgs > 1:  # one [bm, 64] store buffer per compute warpgroup, kept
+                out_tile_with_pipeline, out = True, wgs * bm * ALIGN * out_itemsize
+            else:
+                out = bm * self.block_n * out_itemsize
         return (operands + out if out_tile_with_pipeline else max(operands, out)) + 1024
 
     def fit(self, k: int, n: int, in_dtype, out_dtype, *,
@@ -170,8 +182,9 @@ class MosaicTiles:
         requires), so that a call ``check`` accepts is always served.
 
         A block_k/block_n (either pass) that does not divide its dimension drops to
-        64; a pipeline deeper than Hopper's SMEM holds gets shallower
-        (``out_tile_with_pipeline``: the forward's, see ``smem_bytes``).
+        64; ``compute_wgs`` drops to 1 where 2 * block_n does not divide N; a pipeline
+        deeper than Hopper's SMEM holds gets shallower (``out_tile_with_pipeline``:
+        the forward's, see ``smem_bytes``).
 
         Raises:
           ValueError: the tiles overflow SMEM even with a one-step pipeline.
@@ -184,6 +197,8 @@ class MosaicTiles:
             tgmm_block_k=divides(self.tgmm_block_k, k),
             tgmm_block_n=divides(self.tgmm_block_n, n),
         )
+        if n % (tiles.compute_wgs * tiles.block_n):
+            tiles = dataclasses.replace(tiles, compute_wgs=1)
         sizes = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
         for tgmm, field in ((False, "max_concurrent_steps"),
                             (True, "tgmm_max_concurrent_steps")):
@@ -351,6 +366,90 @@ def _gmm_body(sched_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: MosaicTiles,
             store_rows(zeros, out_gmem, row0, lo, hi, col0, min(bm, m))
 
 
+WS_MEMORY_REGISTERS = 40  # registers per thread of the copy warpgroup (as JAX's Hopper matmul)
+
+
+def _gmm_ws_body(sched_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: MosaicTiles,
+                 rhs_transposed: bool, interpret: bool):
+    """``_gmm_body`` warp-specialized (``tiles.compute_wgs`` > 1): in each program one
+    warpgroup issues the TMA copies and ``compute_wgs`` warpgroups each compute one
+    [block_m, block_n] part of a [block_m, compute_wgs * block_n] output tile
+    (``plgpu.emit_pipeline_warp_specialized``). So the copies of a tile's next K steps
+    overlap one warpgroup's wgmma with the other's, and the next tile's copies overlap
+    this tile's stores. Each warpgroup stores its part 64 columns at a time through one
+    SMEM buffer (a float32 [128, 64] is 32 KiB, so the pipeline keeps 3 steps of 48
+    KiB), each store left in flight until the buffer is needed again. Same schedule
+    and band order as ``_gmm_body``, over the wider tiles."""
+    m, n = out_gmem.shape
+    g, k = rhs_gmem.shape[0], lhs_gmem.shape[1]
+    bm, bn, bk, wgs = tiles.block_m, tiles.block_n, tiles.block_k, tiles.compute_wgs
+    num_tiles, cols = sched_gmem.shape[1], n // (wgs * bn)
+
+    def pipeline(step, context, block=0, ni=0):
+        if rhs_transposed:
+            rhs_spec = plgpu.BlockSpec((wgs * bn, bk), lambda kk: (ni, kk))
+        else:
+            rhs_spec = plgpu.BlockSpec((bk, wgs * bn), lambda kk: (kk, ni))
+        return plgpu.emit_pipeline_warp_specialized(
+            step, grid=(k // bk,), memory_registers=WS_MEMORY_REGISTERS,
+            in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (block, kk)), rhs_spec],
+            wg_axis="wg", num_compute_wgs=wgs,
+            max_concurrent_steps=tiles.max_concurrent_steps, compute_context=context)
+
+    def scope(allocations, out_smem, scratch=None):
+        wg = jax.lax.axis_index("wg")
+
+        @plgpu.nd_loop((num_tiles * cols,), collective_axes="sm")
+        def _(info):
+            t, ni = band_order(info.index[0], num_tiles, cols, tiles.band_n)
+            group, block, lo, hi = (sched_gmem[i, t] for i in range(4))
+
+            def store(tile):  # a compute warpgroup's [bm, bn] part, 64 columns at a time
+                for c in range(0, bn, ALIGN):
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # out_smem[wg] is free
+                    out_smem[wg] = tile[:, c:c + ALIGN]
+                    store_smem_rows(out_smem.at[wg], out_gmem, block * bm, lo, hi,
+                                    (ni * wgs + wg) * bn + c, min(bm, m), wait=False)
+
+            def context(run):
+                def acc_scope(acc_ref):
+                    run(acc_ref)
+                    store(acc_ref[...].astype(out_gmem.dtype))
+
+                pl.run_scoped(acc_scope, plgpu.ACC((bm, bn), jnp.float32))
+
+            def step(_, a_smem, b_smem, acc_ref):
+                if rhs_transposed:
+                    b = transposed(b_smem.at[pl.ds(wg * bn, bn)],
+                                   None if scratch is None else scratch.at[wg])
+                else:
+                    b = b_smem.at[:, pl.ds(wg * bn, bn)]
+                plgpu.wgmma(acc_ref, a_smem, b)
+                plgpu.wgmma_wait(0)  # the pipeline frees the step's buffers on return
+                return acc_ref
+
+            @pl.when((hi > lo) & (group < g))
+            def _():
+                pipeline(step, context, block, ni)(lhs_gmem, rhs_gmem.at[group],
+                                                   allocations=allocations)
+
+            @pl.when((hi > lo) & (group == g) & (wg < wgs))
+            def _():
+                store(jnp.zeros((bm, bn), out_gmem.dtype))
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    def ignore(*_, **__):
+        return None
+
+    scoped = dict(
+        allocations=pipeline(ignore, ignore).get_allocations(lhs_gmem, rhs_gmem.at[0]),
+        out_smem=plgpu.SMEM((wgs, bm, ALIGN), out_gmem.dtype))
+    if rhs_transposed and interpret:  # ``transposed``'s scratch, one per compute warpgroup
+        scoped["scratch"] = plgpu.SMEM((wgs, bk, bn), rhs_gmem.dtype)
+    pl.run_scoped(lambda **refs: scope(**refs), collective_axes="wg", **scoped)
+
+
 def _mask_rows(ref, row0, start, end) -> None:
     """Zero the rows of ``ref[rows, cols]`` (global rows row0 + i) outside [start, end)."""
     x = ref[...]
@@ -470,10 +569,12 @@ def _gmm(lhs, rhs, group_sizes, out_dtype, tiles, interpret, *, rhs_transposed: 
     (m, k), (_, _, n) = lhs.shape, b.shape
     tiles = resolve_tiles(tiles, m, k, n, g, lhs.dtype, out_dtype)
     sched = row_tile_schedule(group_sizes, m, tiles.block_m)
-    body = functools.partial(_gmm_body, tiles=tiles, rhs_transposed=rhs_transposed,
-                             interpret=bool(interpret))
+    wgs = tiles.compute_wgs
+    body = functools.partial(_gmm_body if wgs == 1 else _gmm_ws_body, tiles=tiles,
+                             rhs_transposed=rhs_transposed, interpret=bool(interpret))
     out_type = jax.ShapeDtypeStruct((m, n), out_dtype)
-    return launch(body, out_type, interpret)(sched, lhs, rhs)
+    warpgroups = 1 if wgs == 1 else wgs + 1  # + the copy warpgroup
+    return launch(body, out_type, interpret, warpgroups=warpgroups)(sched, lhs, rhs)
 
 
 def tgmm(lhs, dout, group_sizes, *, out_dtype=None, tiles: MosaicTiles | None = None,

@@ -368,6 +368,9 @@ def test_tiles_validate_and_fit_shapes():
         GateUpTiles(block_k=128)
     with pytest.raises(ValueError, match="MosaicMoeMlpTiles.down must be MosaicTiles"):
         MosaicMoeMlpTiles(down=GateUpTiles())
+    with pytest.raises(ValueError, match="down.compute_wgs must be 1"):
+        MosaicMoeMlpTiles(down=mg.MosaicTiles(compute_wgs=2))
+    assert MosaicMoeMlpTiles(backward=mg.MosaicTiles(compute_wgs=2)).backward.compute_wgs == 2
     assert GateUpTiles.for_shape(192).block_n == 64
     assert GateUpTiles(block_n=128).fit(192).block_n == 64
     assert GateUpTiles(block_n=128).fit(256).block_n == 128

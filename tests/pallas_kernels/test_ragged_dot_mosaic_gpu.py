@@ -182,6 +182,27 @@ def test_band_order(rows, cols, band):
         _bands_brute(rows, cols, band)
 
 
+@pytest.mark.parametrize("n,sizes", [(256, [63, 2, 0, 71]), (128, [0, 200, 0, 0]),
+                                     (256, [1, 65, 0, 70])])
+def test_warp_specialized_gmm_and_gmm_t(n, sizes):
+    """compute_wgs=2: a copy warpgroup and two compute warpgroups, each computing one
+    64-column half of a 128-column output tile (N = 256: two such tiles per row tile),
+    gmm and gmm_t against lax.ragged_dot; rows past the sum stay 0."""
+    tiles = dataclasses.replace(TILES, compute_wgs=2, band_n=1)
+    m, k = 200, 128
+    lhs, rhs = _inputs(n + sizes[0], m, k, n, len(sizes), jnp.bfloat16)
+    gs = jnp.asarray(sizes, jnp.int32)
+    ref = jax.lax.ragged_dot(lhs, rhs, gs, preferred_element_type=jnp.float32)
+    for out in (mg.gmm(lhs, rhs, gs, out_dtype=jnp.float32, tiles=tiles,
+                       interpret=MOSAIC_INTERPRET),
+                mg.gmm_t(lhs, jnp.swapaxes(rhs, 1, 2), gs, out_dtype=jnp.float32,
+                         tiles=tiles, interpret=MOSAIC_INTERPRET)):
+        assert out.shape == (m, n)
+        _assert_close(jax.block_until_ready(out), ref, jnp.bfloat16)
+        assert not np.any(np.asarray(out)[sum(sizes):])
+        assert not mgpu.races_found()
+
+
 @pytest.mark.cpu_backend
 def test_race_detector_is_live():
     """The no-race assertions above mean something: reading SMEM before the TMA
@@ -278,6 +299,14 @@ def test_tiles_are_fitted_to_the_shape():
     with pytest.raises(ValueError, match="SMEM"):
         mg.MosaicTiles(block_m=256, block_n=256, max_concurrent_steps=1).fit(
             512, 512, bf16, f32)
+    # warp-specialized: output tiles of 2 x block_n, or one warpgroup where N is not
+    # a multiple; its operand buffers (48 KiB a step at [128, 64] x [64, 256]) sit
+    # beside two [128, 64] store buffers (64 KiB in float32), so 3 steps fit
+    ws = mg.MosaicTiles(block_n=128, max_concurrent_steps=4, compute_wgs=2)
+    assert ws.fit(512, 384, bf16, f32).compute_wgs == 1
+    assert ws.fit(512, 512, bf16, f32).max_concurrent_steps == 3
+    assert ws.fit(512, 512, bf16, bf16).max_concurrent_steps == 4
+    assert ws.smem_bytes(2, 4, tgmm=False) == 4 * 48 * 1024 + 64 * 1024 + 1024
     with pytest.raises(TypeError, match="MosaicTiles"):
         mg.gmm(jnp.zeros((64, 64), bf16), jnp.zeros((2, 64, 64), bf16),
                jnp.asarray([32, 32], jnp.int32), out_dtype=f32, tiles={"block_m": 64},
@@ -296,6 +325,8 @@ def test_tiles_validation_and_heuristic():
         dlhs = t.fit(n, k, bf16, bf16)  # the backward's dlhs = gmm(dout, rhs^T)
         assert dlhs.block_k == t.block_k and dlhs.block_m == t.block_m
         assert 1 <= t.max_concurrent_steps <= max(1, k // t.block_k)
+    with pytest.raises(ValueError, match="compute_wgs must be 1 or 2"):
+        mg.MosaicTiles(compute_wgs=3)
     assert mg.MosaicTiles.for_shape(4096, 512, 512, 64).block_m == 64  # small groups
     assert mg.MosaicTiles.for_shape(4096, 512, 512, 4).block_m == 128
 
@@ -335,11 +366,12 @@ def test_lowers_for_cuda(op, m, k, n, g, in_dtype, out_dtype):
 
 @pytest.mark.parametrize("tiles,n", [
     (mg.MosaicTiles(max_concurrent_steps=1, tgmm_max_concurrent_steps=1), 128),
-    (mg.MosaicTiles(band_n=2, tgmm_band_n=2, block_n=64, tgmm_block_n=64), 192)])
+    (mg.MosaicTiles(band_n=2, tgmm_band_n=2, block_n=64, tgmm_block_n=64), 192),
+    (mg.MosaicTiles(compute_wgs=2, band_n=2), 768)])
 def test_lowers_with_single_stage_pipeline_or_bands(tiles, n):
     """gmm, tgmm and gmm_t with max_concurrent_steps=1 (no delayed release, each wgmma
-    waited for), and with three column tiles in bands of 2 (a full band and a narrower
-    one)."""
+    waited for), with three column tiles in bands of 2 (a full band and a narrower
+    one), and warp-specialized (three 256-column tiles in bands of 2)."""
     args = (_sds((256, 128), jnp.bfloat16), _sds((3, 128, n), jnp.bfloat16),
             _sds((3,), jnp.int32))
     f = lambda a, b, s: mg.gmm(a, b, s, out_dtype=jnp.float32, tiles=tiles)  # noqa: E731
@@ -357,8 +389,8 @@ def test_lowers_with_single_stage_pipeline_or_bands(tiles, n):
 @pytest.mark.gpu
 @pytest.mark.parametrize("in_dtype", [jnp.bfloat16, jnp.float16])
 def test_compiled_on_hopper(in_dtype):
-    """On an H100/H200: the compiled kernels (gmm, tgmm, gmm_t; row-major and in bands
-    of 2 of the 3 column tiles) against the references."""
+    """On an H100/H200: the compiled kernels (gmm, tgmm, gmm_t; row-major, in bands
+    of 2 of the 3 column tiles, and warp-specialized) against the references."""
     if not str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9."):
         pytest.skip("needs a Hopper GPU")
     m, k, n, sizes = 1024, 256, 384, [0, 1, 65, 300, 0, 400]  # sum 766 < M
@@ -370,7 +402,8 @@ def test_compiled_on_hopper(in_dtype):
                                preferred_element_type=jnp.float32)
     banded = dataclasses.replace(mg.MosaicTiles.for_shape(m, k, n, len(sizes)), band_n=2,
                                  tgmm_band_n=2)
-    for tiles in (None, banded):
+    ws = mg.MosaicTiles(block_n=64, compute_wgs=2, band_n=2)  # 3 tiles of 128 columns
+    for tiles in (None, banded, ws):
         out = mg.gmm(lhs, rhs, gs, out_dtype=jnp.float32, tiles=tiles)
         _assert_close(out, ref, jnp.float32)
         assert not np.any(np.asarray(out)[sum(sizes):])
