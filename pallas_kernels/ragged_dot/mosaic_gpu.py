@@ -379,7 +379,10 @@ def _gmm_ws_body(sched_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: MosaicTiles
     this tile's stores. Each warpgroup stores its part 64 columns at a time through one
     SMEM buffer (a float32 [128, 64] is 32 KiB, so the pipeline keeps 3 steps of 48
     KiB), each store left in flight until the buffer is needed again. Same schedule
-    and band order as ``_gmm_body``, over the wider tiles."""
+    and band order as ``_gmm_body``, over the wider tiles. The warpgroups share only
+    the pipeline's operand buffers, which they read: the interpreter's race detector
+    does not see races between warpgroups (a write by one to a buffer the other's
+    wgmma read went unreported) nor TMA stores still reading SMEM."""
     m, n = out_gmem.shape
     g, k = rhs_gmem.shape[0], lhs_gmem.shape[1]
     bm, bn, bk, wgs = tiles.block_m, tiles.block_n, tiles.block_k, tiles.compute_wgs
