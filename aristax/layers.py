@@ -186,7 +186,8 @@ def jitter_stream(rngs: nnx.Rngs, *, required: bool = True) -> nnx.RngStream | N
     raise ValueError(
         f"MoEConfig.router_jitter > 0 draws from an RNG stream named one of "
         f"{JITTER_STREAMS}; the rngs given (and any the layer was built with) have none: "
-        f"add one, e.g. nnx.Rngs(params=0, dropout=1), pass rngs= to the call, call with "
+        f"add one, e.g. nnx.Rngs(params=0, dropout=1) (Linen: apply(..., "
+        f"rngs={{'dropout': key}})), pass rngs= to the call, call with "
         f"deterministic=True, or set router_jitter=0")
 
 
@@ -506,7 +507,20 @@ def moe_linen(config: MoEConfig, *, axes: MoEAxes = MoEAxes(), name: str | None 
     layers (``metadata_params={nn.PARTITION_NAME: ...}``) puts the layer axis in front
     of the expert axis.
     """
-    return bridge.to_linen(MoE, config, axes=axes, name=name, metadata_fn=_linen_box)
+    return bridge.to_linen(_bridged_moe, config, axes=axes, name=name,
+                           metadata_fn=_linen_box)
+
+
+def _bridged_moe(config: MoEConfig, *, rngs: nnx.Rngs, **kwargs) -> MoE:
+    """``MoE`` built by ``moe_linen``'s bridge, its stream "default" renamed "params": at
+    every ``apply`` the bridge adds a "default" seeded 0 where the Linen RNGs have
+    none (for the initialisers, whose values the Linen variables then replace), so
+    jitter drawn from it would repeat the same noise at every step instead of raising
+    ``jitter_stream``'s error when no "jitter"/"dropout" RNG was given."""
+    streams = {name: stream() for name, stream in rngs.items()}
+    if "default" in streams:
+        streams.setdefault("params", streams.pop("default"))
+    return MoE(config, rngs=nnx.Rngs(**streams), **kwargs)
 
 
 def _linen_box(variable: nnx.Variable):

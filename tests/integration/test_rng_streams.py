@@ -77,3 +77,12 @@ def test_linen_jitter_follows_the_apply_rngs_and_deterministic():
     plain = Block(dataclasses.replace(CFG, router_jitter=0.0)).apply(variables, X, train=True)
     assert not np.allclose(run(3), plain)
     np.testing.assert_array_equal(block.apply(variables, X, train=False), plain)
+
+
+def test_linen_jitter_without_an_rng_is_refused():
+    """Flax's bridge adds a stream "default" seeded 0 at every apply without one: jitter
+    must not draw from it (the same noise at every step), but refuse."""
+    block = Block(CFG)
+    variables = block.init({"params": jax.random.key(0)}, X, train=False)
+    with pytest.raises(ValueError, match="rngs=\\{'dropout': key\\}"):
+        block.apply(variables, X, train=True)
