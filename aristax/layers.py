@@ -499,7 +499,8 @@ def moe_linen(config: MoEConfig, *, axes: MoEAxes = MoEAxes(), name: str | None 
     with x [..., D] and y [..., D] (as ``MoE``); its parameters live in the "params"
     collection, and ``init`` needs a "params" RNG. Router jitter draws, at every
     ``apply``, from the Linen RNG named "jitter", else "dropout" (``apply(...,
-    rngs={"dropout": key})``), and is off with ``deterministic=True``.
+    rngs={"dropout": key})``; without either a jittered call raises), and is off with
+    ``deterministic=True``.
 
     Parameters are ``nn.LogicallyPartitioned`` with ``axes``' names (``MoE``), so the
     Linen recipes work on them: ``nn.get_partition_spec`` (the names as mesh axes) or
