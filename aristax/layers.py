@@ -335,13 +335,19 @@ class MoE(nnx.Module):
 
     def _placed(self, field: str | None, value: jax.Array, current: jax.Array) -> jax.Array:
         """``value`` as ``current``'s dtype, on the plan mesh by ``field``'s spec (None:
-        replicated) when the layer carries a plan, else where ``current`` is."""
+        replicated) when the layer carries a plan, else where ``current`` is; where
+        ``current`` is not committed to a device (a layer built outside any mesh), not
+        committed either, so that a mesh or ``jit`` may place it later."""
         value = jnp.asarray(value, current.dtype)
         if self.ep_options is not None:
             spec = P() if field is None else self.mesh_spec(field, self.mesh.axis_names)
             return jax.device_put(value, NamedSharding(self.mesh, spec))
-        if isinstance(current, jax.Array) and not isinstance(current, jax.core.Tracer):
+        if not isinstance(current, jax.Array) or isinstance(current, jax.core.Tracer):
+            return value
+        if current.committed:
             return jax.device_put(value, current.sharding)
+        if getattr(value, "committed", False):  # device_put cannot uncommit: via the host
+            return jnp.asarray(np.asarray(value))
         return value
 
     def expected_layout(self) -> np.ndarray:

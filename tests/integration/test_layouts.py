@@ -65,6 +65,26 @@ def test_the_logical_weights_load_into_any_layout():
     jax.effects_barrier()
 
 
+def test_loaded_weights_stay_free_to_move_to_a_mesh():
+    """A layer built outside any mesh holds uncommitted weights, which a later mesh
+    places; weights loaded into it (from a plan's devices, here committed to the plan
+    mesh) must be too, not pinned to one device ("incompatible devices" under the
+    mesh), and give the same output there."""
+    source = plan_layer()
+    fresh, loaded = MoE(CFG, rngs=nnx.Rngs(1)), MoE(CFG, rngs=nnx.Rngs(1))
+    loaded.load_logical_params(source.logical_params())
+    fresh.load_logical_params(jax.tree.map(np.asarray, source.logical_params()))
+    assert not any(a.committed for a in jax.tree.leaves(nnx.state(loaded, nnx.Param)))
+    mesh = jax.make_mesh((2, 4), ("data", "expert"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    with jax.set_mesh(mesh):
+        y = nnx.jit(lambda m, x: m(x))(loaded, X)[0]
+        y_fresh = nnx.jit(lambda m, x: m(x))(fresh, X)[0]
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_fresh), rtol=1e-6, atol=1e-6)
+    expected = nnx.jit(lambda m, x: m(x))(source, X)[0]
+    np.testing.assert_allclose(np.asarray(y), np.asarray(expected), rtol=3e-5, atol=3e-5)
+
+
 def test_load_logical_params_refuses_weights_of_another_config():
     layer = MoE(CFG, rngs=nnx.Rngs(0))
     other = MoE(dataclasses.replace(CFG, d_ff=24), rngs=nnx.Rngs(0))
