@@ -409,10 +409,23 @@ def _check_expert_perm(expert_perm, num_experts: int, W: int) -> int:
     return perm.size
 
 
-def _check_exchange(exchange, expert_axes, expert_axis, schedule) -> str:
-    """``exchange`` (None: the platform's), checked against the expert axes and
-    ``schedule``."""
-    exchange = check_exchange(exchange or default_exchange())
+def mesh_platform(mesh) -> str:
+    """The platform ``mesh`` runs on ("cpu", "gpu", ...): its devices', else its abstract
+    device's (a mesh to cross-lower for), else JAX's default backend."""
+    if isinstance(mesh, jax.sharding.Mesh):
+        return mesh.devices.flat[0].platform
+    device = getattr(mesh, "abstract_device", None)
+    return jax.default_backend() if device is None else device.platform
+
+
+def _check_exchange(exchange, expert_axes, expert_axis, schedule, platform: str) -> str:
+    """``exchange`` (None: ``platform``'s), checked against the expert axes,
+    ``schedule`` and the platform."""
+    exchange = check_exchange(exchange or default_exchange(platform))
+    if exchange == "ragged" and platform == "cpu":
+        raise ValueError("exchange='ragged' runs jax.lax.ragged_all_to_all, which XLA:CPU "
+                         "does not implement: on a CPU mesh use 'ragged_emulated' (the same "
+                         "exchange, emulated), 'padded', or None (the platform's)")
     if exchange == "hierarchical" and len(expert_axes) != 2:
         raise ValueError(f"exchange='hierarchical' needs expert_axis=(outer, inner), two mesh "
                          f"axes such as ('node', 'local'), not {expert_axis!r}")
@@ -515,7 +528,8 @@ def _checked_layout(x, params, config, mesh, *, bias, seq_len, expert_perm, exch
                          f"{num_slots} physical slots; lay the weights out with "
                          "layout_experts(params, expert_perm)")
     check_inputs(x, params, config, bias=bias, seq_len=seq_len, num_slots=num_slots)
-    exchange = _check_exchange(exchange, expert_axes, expert_axis, schedule)
+    exchange = _check_exchange(exchange, expert_axes, expert_axis, schedule,
+                               mesh_platform(mesh))
     Tl = x.shape[0] // shards
     if isinstance(num_chunks, (int, np.integer)) and num_chunks > Tl:
         raise ValueError(f"num_chunks={num_chunks} exceeds the {Tl} tokens of each token "

@@ -95,6 +95,17 @@ def test_schedule_needs_scheduled_exchange():
                             exchange="padded", schedule=(((0, 1),),))
 
 
+def test_ragged_exchange_is_refused_on_a_cpu_mesh():
+    """XLA:CPU has no ragged_all_to_all: refused while tracing, naming the options that
+    run there, on a concrete CPU mesh and inside jit (an abstract mesh)."""
+    cfg = MoEConfig(num_experts=8, top_k=2, d_model=D, d_ff=24)
+    mesh, x, params = make_mesh((1, 8)), jnp.zeros((T, D)), make_params(cfg)
+    with pytest.raises(ValueError, match="exchange='ragged'.*'ragged_emulated'"):
+        expert_parallel_moe(x, params, cfg, mesh, exchange="ragged")
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="exchange='ragged'"):
+        jax.jit(lambda x: expert_parallel_moe(x, params, cfg, exchange="ragged"))(x)
+
+
 def test_rounds_from_a_skewed_plan_send_each_pair_once():
     # Aurora splits pairs over several rounds under skew; the exchange moves a whole
     # block per pair, so each pair is kept only in the round that carries most of it
