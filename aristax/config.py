@@ -100,6 +100,24 @@ def _check_routing(cfg: Any, owner: str) -> None:
     eps = cfg.weight_norm_eps
     if not _is_number(eps) or not math.isfinite(eps) or eps < 0:
         _fail("weight_norm_eps", eps, "must be a finite number >= 0", owner)
+    _check_unused_routing(cfg, owner)
+
+
+def _check_unused_routing(cfg: Any, owner: str) -> None:
+    """Refuse routing settings that the chosen router would ignore (rather than accept
+    them and compute as if they were left out)."""
+    if cfg.router == "expert_choice" and cfg.normalize_weights:
+        _fail("normalize_weights", True, "renormalises a token's K weights, and expert "
+              "choice has no per-token K: use False", owner)
+    normalized = cfg.normalize_weights and cfg.router not in ("topk_softmax", "expert_choice")
+    for name, default in (("weight_norm_p", 1.0), ("weight_norm_eps", 0.0)):
+        if not normalized and getattr(cfg, name) != default:
+            _fail(name, getattr(cfg, name), f"applies only where the weights are "
+                  f"renormalised (normalize_weights=True with a router other than "
+                  f"'topk_softmax' or 'expert_choice'); leave the default {default}", owner)
+    if cfg.num_groups == 1 and cfg.group_score != "top2_sum":
+        _fail("group_score", cfg.group_score, "scores groups of experts, and num_groups=1 "
+              "has none: set num_groups > 1 or leave the default 'top2_sum'", owner)
 
 
 def _check_implementation(value: Any) -> None:

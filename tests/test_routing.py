@@ -326,6 +326,12 @@ def test_sigmoid_router_with_underflowing_scores_stays_finite(implementation, no
     ("drop_policy", dict(router="expert_choice", drop_policy="probability")),
     ("drop_policy", dict(drop_policy="probability")),  # dropless: it would do nothing
     ("shared_d_ff", dict(shared_d_ff=4)),  # no shared experts to size
+    # settings the router would ignore
+    ("normalize_weights", dict(router="expert_choice", normalize_weights=True)),
+    ("weight_norm_p", dict(weight_norm_p=2.0)),  # normalize_weights is False
+    ("weight_norm_eps", dict(weight_norm_eps=1e-6)),
+    ("weight_norm_p", dict(router="topk_softmax", normalize_weights=True, weight_norm_p=3.0)),
+    ("group_score", dict(group_score="max")),  # num_groups=1: no groups to score
     ("normalize_weights", dict(normalize_weights="false")),  # a truthy string
     ("debug_checks", dict(debug_checks="no")),
     ("capacity_factor", dict(capacity_factor=True)),
@@ -345,6 +351,14 @@ def test_bad_config_names_the_field(field, kwargs):
     base = dict(num_experts=4, top_k=2, d_model=8, d_ff=8)
     with pytest.raises(ValueError, match=rf"MoEConfig\.{field}="):
         MoEConfig(**{**base, **kwargs})
+
+
+def test_routing_settings_are_accepted_where_they_act():
+    base = dict(num_experts=4, top_k=2, d_model=8, d_ff=8)
+    MoEConfig(**base, normalize_weights=True, weight_norm_p=2.0, weight_norm_eps=1e-6)
+    MoEConfig(**base, router="sigmoid", normalize_weights=True, weight_norm_eps=1e-20)
+    MoEConfig(**base, router="topk_softmax", normalize_weights=True)  # the identity
+    MoEConfig(**base, num_groups=2, group_score="max")
 
 
 @pytest.mark.parametrize("field,kwargs", [
