@@ -196,7 +196,12 @@ def _jitter_key(rngs: nnx.Rngs | nnx.RngStream | jax.Array | None) -> jax.Array:
     (no stream anywhere) raises ``jitter_stream``'s error."""
     if rngs is None or isinstance(rngs, nnx.Rngs):
         return jitter_stream(nnx.Rngs() if rngs is None else rngs)()
-    return rngs() if isinstance(rngs, nnx.RngStream) else rngs
+    if isinstance(rngs, nnx.RngStream):
+        return rngs()
+    if not isinstance(rngs, jax.Array) or rngs.ndim > 1:
+        raise TypeError(f"rngs= of the call must be an nnx.Rngs, an nnx.RngStream or one "
+                        f"PRNG key, e.g. jax.random.key(0); got {type(rngs).__name__}")
+    return rngs
 
 
 class MoE(nnx.Module):
@@ -238,6 +243,12 @@ class MoE(nnx.Module):
 
     def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None,
                  plan=None, deterministic: bool = False, axes: MoEAxes = MoEAxes()):
+        if not isinstance(config, MoEConfig):
+            raise TypeError(f"config must be an aristax.MoEConfig, got "
+                            f"{type(config).__name__}; e.g. MoEConfig(**values)")
+        if not isinstance(rngs, nnx.Rngs):
+            raise TypeError(f"rngs must be a flax.nnx.Rngs, got {type(rngs).__name__}; "
+                            f"e.g. rngs=nnx.Rngs(0)")
         if not isinstance(axes, MoEAxes):
             raise TypeError(f"axes={axes!r}: give an aristax.sharding.MoEAxes, e.g. "
                             "MoEAxes(expert='fsdp')")

@@ -193,3 +193,15 @@ def test_layer_falls_back_to_the_reference_where_a_named_backend_refuses(kernel_
     _assert_same_layer(_layer_results(["mosaic_gpu"], "float32", x),
                        _layer_results("reference", "float32", x), "float32")
     assert "ragged_dot" not in kernel_calls["mosaic_gpu"], dict(kernel_calls)
+
+
+@pytest.mark.parametrize("build,message", [
+    (lambda: MoE(dict(num_experts=4, top_k=2, d_model=8, d_ff=16), rngs=nnx.Rngs(0)),
+     "config must be an aristax.MoEConfig, got dict"),
+    (lambda: MoE(CFG, rngs=0), r"rngs must be a flax.nnx.Rngs, got int; e.g. rngs=nnx.Rngs\(0\)"),
+    (lambda: MoE(CFG.replace(router_jitter=0.1), rngs=nnx.Rngs(0))(jnp.ones((2, 8)), rngs=3),
+     "rngs= of the call must be an nnx.Rngs, an nnx.RngStream or one PRNG key"),
+])
+def test_wrong_argument_types_name_the_argument(build, message):
+    with pytest.raises(TypeError, match=message):
+        build()
