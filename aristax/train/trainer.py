@@ -114,9 +114,11 @@ def _global_batch(local: np.ndarray, sharding) -> jax.Array:
 
 
 def _place_like(saved, template):
-    if isinstance(template, jax.Array):
-        return jax.device_put(np.asarray(saved).astype(template.dtype), template.sharding)
-    return saved
+    if not isinstance(template, jax.Array):
+        return saved
+    if jax.dtypes.issubdtype(template.dtype, jax.dtypes.prng_key):  # e.g. router jitter's
+        return jax.device_put(saved, template.sharding)
+    return jax.device_put(np.asarray(saved).astype(template.dtype), template.sharding)
 
 
 def _state_dict(model, optimizer) -> dict:

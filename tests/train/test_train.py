@@ -55,8 +55,10 @@ def test_train_command_loss_falls_and_writes_its_outputs(tmp_path, capsys):
     assert summary["tokens_per_s"] > 0 and summary["first_step_s"] > 0
 
 
-def test_resumed_run_equals_uninterrupted_run(tmp_path):
-    args = ("steps=6", "checkpoint.every=3", "eval_every=6")
+@pytest.mark.parametrize("jitter", [0.0, 0.2])
+def test_resumed_run_equals_uninterrupted_run(tmp_path, jitter):
+    """Also with router jitter, whose RNG key is part of the checkpointed state."""
+    args = ("steps=6", "checkpoint.every=3", "eval_every=6", f"model.router_jitter={jitter}")
     full = run(tmp_path, *args, name="run")
     shutil.rmtree(tmp_path / "run" / "checkpoints" / "6")  # as if it died after step 5
     resumed = run(tmp_path, *args, "checkpoint.resume=true", name="run")
