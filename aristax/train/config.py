@@ -98,8 +98,8 @@ class OptimConfig:
 class ParallelConfig:
     """Devices, topology and the expert-parallel plan.
 
-    ``devices``: simulated CPU devices per run when JAX runs on the CPU (0: leave
-    as found). ``topology``: a preset of ``aristax.planner.topology.preset`` or a
+    ``devices``: simulated CPU devices per run when JAX runs on the CPU, in place of
+    a device count in XLA_FLAGS (0: leave as found). ``topology``: a preset of ``aristax.planner.topology.preset`` or a
     JSON file; ``group_size``: expert-parallel group size (0: the planner decides);
     ``expert_capacity``: experts one device can hold (0: the topology's), the memory
     limit that makes LysiGroup form groups.

@@ -17,27 +17,40 @@ from aristax.parallel import initialize_distributed, mesh_from_plan, resolve_dis
 from aristax.planner import ModelSpec, make_plan
 from aristax.planner.topology import PRESETS, Topology, uniform
 from aristax.train.config import TrainConfig
-from aristax.train.launch import DEVICE_COUNT_FLAG
+from aristax.train.launch import DEVICE_COUNT_FLAG, without_device_count
 
 
 def start_processes(cfg: TrainConfig) -> None:
     """Before any JAX computation: simulated CPU devices (``parallel.devices``, split
-    over the processes) and, when ARISTAX_*/JAX_*/SLURM settings say so, the
-    multi-process runtime with gloo CPU collectives."""
+    over the processes, in place of a device count XLA_FLAGS holds) and, when
+    ARISTAX_*/JAX_*/SLURM settings say so, the multi-process runtime with gloo CPU
+    collectives.
+
+    Raises:
+      ValueError: the devices do not split over the processes, or JAX's CPU backend
+        started before this (in this process) with another device count.
+    """
     settings = resolve_distributed(os.environ)
     num_processes = 1 if settings is None else settings["num_processes"]
     devices = cfg.parallel.devices
+    per_process = 0
     if devices and os.environ.get("JAX_PLATFORMS", "cpu") in ("cpu", ""):
         if devices % num_processes:
             raise ValueError(f"parallel.devices={devices} is not divisible by the "
                              f"{num_processes} processes")
-        flag = f"{DEVICE_COUNT_FLAG}={devices // num_processes}"
-        flags = os.environ.get("XLA_FLAGS", "")
-        if DEVICE_COUNT_FLAG not in flags:
-            os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
+        per_process = devices // num_processes
+        flags = without_device_count(os.environ).get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = f"{flags} {DEVICE_COUNT_FLAG}={per_process}".strip()
     if num_processes > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     initialize_distributed()
+    if per_process and jax.default_backend() == "cpu" and (
+            jax.local_device_count() != per_process):
+        raise ValueError(f"parallel.devices={devices} needs {per_process} CPU devices per "
+                         f"process, but JAX started with {jax.local_device_count()} before "
+                         f"aristax could set them: run in a fresh process, or set "
+                         f"parallel.devices={jax.local_device_count() * num_processes} "
+                         f"(or 0: as found)")
 
 
 def make_topology(name: str, num_devices: int, expert_capacity: int = 0) -> Topology:
