@@ -208,6 +208,11 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("parallel.devices, group_size, num_chunks and expert_capacity must "
                           "be >= 0 (0: decide automatically)")
     m = cfg.model
+    if m.dtype == "float16":
+        raise ConfigError("model.dtype=float16: AdamW keeps its moments in the parameters' "
+                          "dtype, where its eps (1e-8) is 0, so an update of a zero gradient "
+                          "is 0/0 = NaN; use bfloat16 (16 bits with float32's range) or "
+                          "float32")
     if m.num_heads >= 1 and m.d_model % m.num_heads:
         raise ConfigError(f"model.d_model={m.d_model} must be divisible by model.num_heads="
                           f"{m.num_heads} (each head gets d_model / num_heads dims)")
