@@ -67,13 +67,20 @@ def lm_loss(model: Mixtral, tokens: jax.Array):
     return ce + aux, metrics
 
 
-def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
+    """The learning rate of update n (0-based: step n + 1): linear warm-up from 0 over
+    ``optim.warmup_steps``, then cosine decay to ``lr * min_lr_ratio`` at ``steps``."""
     o = cfg.optim
-    schedule = optax.warmup_cosine_decay_schedule(
+    return optax.warmup_cosine_decay_schedule(
         0.0, o.lr, min(o.warmup_steps, cfg.steps), max(cfg.steps, o.warmup_steps + 1),
         o.lr * o.min_lr_ratio)
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    o = cfg.optim
     return optax.chain(optax.clip_by_global_norm(o.clip_norm),
-                       optax.adamw(schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay))
+                       optax.adamw(lr_schedule(cfg), b1=o.b1, b2=o.b2,
+                                   weight_decay=o.weight_decay))
 
 
 def flops_per_token(cfg: TrainConfig, vocab_size: int | None = None) -> float:
@@ -225,14 +232,14 @@ def _check_same_data(cfg: TrainConfig, meta: dict, fingerprint: dict[str, str]) 
 
 def start_step_and_data(cfg: TrainConfig, ckpt: Checkpointer, model, optimizer,
                         fingerprint: dict[str, str]):
-    """(first step, data iterator state, later checkpoints deleted) of the run: 0,
-    None, [] for a fresh run in an ``out_dir`` without checkpoints; else the
-    checkpoint's (the latest, or ``checkpoint.step``), restored into ``model`` and
-    ``optimizer`` after checking it belongs to this config and data, and verifying
-    its checksums."""
+    """(first step, data iterator state, later checkpoints deleted, the checkpointed
+    run's ``steps``) of the run: 0, None, [], None for a fresh run in an ``out_dir``
+    without checkpoints; else the checkpoint's (the latest, or ``checkpoint.step``),
+    restored into ``model`` and ``optimizer`` after checking it belongs to this config
+    and data, and verifying its checksums."""
     step = _resume_step(cfg, ckpt)
     if step is None:
-        return 0, None, []
+        return 0, None, [], None
     meta = ckpt.meta(step)
     saved = meta.get("config")
     if saved is not None:
@@ -248,7 +255,7 @@ def start_step_and_data(cfg: TrainConfig, ckpt: Checkpointer, model, optimizer,
     _check_same_data(cfg, meta, fingerprint)
     state, data_state, meta = ckpt.restore(_state_dict(model, optimizer), _place_like, step)
     _restore_pure(model, optimizer, state)
-    return int(meta["step"]), data_state, ckpt.delete_after(step)
+    return int(meta["step"]), data_state, ckpt.delete_after(step), meta.get("steps")
 
 
 # ------------------------------------------------------------------ the run
@@ -275,6 +282,7 @@ class _Run:
     sharding: Any  # of a global batch, None without a mesh
     fingerprint: dict  # of the training data (``data_fingerprint``)
     deleted: list  # checkpoint steps after the resumed one, deleted at set-up
+    saved_steps: int | None  # the resumed run's ``steps`` (None: fresh, or not recorded)
 
     @property
     def main(self) -> bool:
@@ -312,8 +320,8 @@ def _set_up(cfg: TrainConfig) -> _Run:
     ckpt = Checkpointer(Path(cfg.out_dir) / "checkpoints", keep=cfg.checkpoint.keep,
                         expert_perm=options.get("expert_perm"))
     fingerprint = data_fingerprint(cfg, tokens)
-    start_step, data_state, deleted = start_step_and_data(cfg, ckpt, model, optimizer,
-                                                          fingerprint)
+    start_step, data_state, deleted, saved_steps = start_step_and_data(
+        cfg, ckpt, model, optimizer, fingerprint)
     stream = data_lib.batches(train_tokens, m.seq_len, cfg.data.batch_size // nproc,
                               seed=cfg.data.seed, process_index=proc, process_count=nproc,
                               state=data_state)
@@ -321,7 +329,8 @@ def _set_up(cfg: TrainConfig) -> _Run:
                 plan=plan, mesh=mesh, options=options, vocab=vocab,
                 train_tokens=train_tokens, held_out=held_out, model=model,
                 optimizer=optimizer, ckpt=ckpt, start_step=start_step, stream=stream,
-                sharding=batch_sharding(mesh), fingerprint=fingerprint, deleted=deleted)
+                sharding=batch_sharding(mesh), fingerprint=fingerprint, deleted=deleted,
+                saved_steps=saved_steps)
 
 
 def make_steps(bias_update: bool):
@@ -369,14 +378,20 @@ def _announce(run: _Run, log) -> None:
     if run.deleted:
         log(f"resumed from step {run.start_step}: deleted the later checkpoints {run.deleted}, "
             "which this run writes anew")
+    if run.saved_steps not in (None, cfg.steps):
+        before = dataclasses.replace(cfg, steps=run.saved_steps)
+        log(f"resumed with steps={cfg.steps}, the checkpointed run had steps="
+            f"{run.saved_steps}: the learning-rate schedule now spans {cfg.steps} steps "
+            f"(step {run.start_step + 1}: lr {float(lr_schedule(cfg)(run.start_step)):.3g}, "
+            f"{float(lr_schedule(before)(run.start_step)):.3g} on the old schedule)")
 
 
 def step_row(step: int, metrics: dict, seconds: float, tokens_per_step: int,
-             flops_per_tok: float, peak: float) -> dict[str, Any]:
-    """The metrics row of one step (host values of ``lm_loss``'s metrics); tokens/s and
-    MFU from its ``seconds``."""
+             flops_per_tok: float, peak: float, lr: float) -> dict[str, Any]:
+    """The metrics row of one step (host values of ``lm_loss``'s metrics, and the
+    learning rate ``lr`` it updated with); tokens/s and MFU from its ``seconds``."""
     rate = tokens_per_step / max(seconds, 1e-9)
-    return {"step": step, "loss": float(metrics["loss"]),
+    return {"step": step, "loss": float(metrics["loss"]), "lr": lr,
             "aux_loss": float(metrics["aux_loss"]), "tokens_per_s": rate,
             "mfu": rate * flops_per_tok / peak,
             "dropped_fraction": float(metrics["dropped_fraction"]),
@@ -401,7 +416,7 @@ def _save(run: _Run, step: int) -> None:
             "optim.warmup_steps and resume from it")
     run.ckpt.save(step, _state_dict(run.model, run.optimizer), run.stream.get_state(),
                   {"name": run.cfg.name, "config": run_identity(run.cfg),
-                   "data": run.fingerprint})
+                   "data": run.fingerprint, "steps": run.cfg.steps})
 
 
 def _train_loop(run: _Run, writer: MetricsWriter, row_of, log, preemption: Preemption
@@ -497,10 +512,12 @@ def _run(cfg: TrainConfig, log, preemption: Preemption) -> RunResult:
     peak = matmul_flops(device, jnp.dtype(cfg.model.dtype)) * (
         1 if device.platform == "cpu" else len(run.devices))
     fpt = flops_per_token(cfg, run.vocab)
+    schedule = lr_schedule(cfg)
     _announce(run, log)
 
     def row_of(step, metrics, seconds):
-        return step_row(step, metrics, seconds, run.tokens_per_step, fpt, peak)
+        return step_row(step, metrics, seconds, run.tokens_per_step, fpt, peak,
+                        float(schedule(step - 1)))
 
     try:
         losses, evals, step_s, stopped = _train_loop(run, writer, row_of, log, preemption)

@@ -68,6 +68,31 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, jitter):
     assert rows == list(range(1, 7))
 
 
+def test_resume_with_more_steps_logs_the_new_schedule(tmp_path):
+    """steps may grow on resume; the cosine schedule then spans the new count, which the
+    run says, and every metrics row holds the learning rate it updated with."""
+    args = ("checkpoint.every=2", "eval_every=4", "optim.warmup_steps=1")
+    first = run(tmp_path, "steps=4", *args)
+    assert first.summary["first_step"] == 1
+    lines = []
+    cfg = load_config("experiments/configs/tiny.yaml", SMALL + [
+        f"out_dir={tmp_path / 'run'}", "steps=8", *args, "checkpoint.resume=true"])
+    with jax.numpy_dtype_promotion("standard"):
+        train(cfg, log=lines.append)
+    assert any("resumed with steps=8, the checkpointed run had steps=4" in line
+               for line in lines), lines
+    rows = [r for r in read_rows(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
+    peak, floor = cfg.optim.lr, cfg.optim.lr * cfg.optim.min_lr_ratio
+
+    def cosine(n, steps):  # update n (0-based) after a 1-step warm-up from 0
+        return 0.0 if n == 0 else floor + (peak - floor) * 0.5 * (
+            1 + np.cos(np.pi * (n - 1) / (steps - 1)))
+
+    expected = [cosine(n, 4) for n in range(4)] + [cosine(n, 8) for n in range(4, 8)]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    np.testing.assert_allclose([r["lr"] for r in rows], expected, rtol=1e-5, atol=1e-12)
+
+
 def test_restore_onto_another_expert_parallel_layout(tmp_path):
     """Checkpoints hold experts in logical order: a run saved on a 2x4 mesh (2 experts
     per device) continues on a 4x2 mesh (4 per device) with the same losses."""
