@@ -63,6 +63,10 @@ def lm_loss(model: Mixtral, tokens: jax.Array):
     metrics = {"loss": ce, "aux_loss": aux, "router_entropy": entropy,
                "dropped_fraction": jnp.mean(jnp.stack([a["dropped_fraction"]
                                                        for a in out.moe_aux])),
+               # expert choice: tokens no expert picked (y = 0); 0 for token choice
+               "unchosen_fraction": jnp.mean(jnp.stack([a["unchosen_tokens"]
+                                                        for a in out.moe_aux]))
+               / (tokens.shape[0] * (tokens.shape[1] - 1)),
                "expert_load": jnp.stack([a["expert_load"] for a in out.moe_aux])}
     return ce + aux, metrics
 
@@ -395,6 +399,7 @@ def step_row(step: int, metrics: dict, seconds: float, tokens_per_step: int,
             "aux_loss": float(metrics["aux_loss"]), "tokens_per_s": rate,
             "mfu": rate * flops_per_tok / peak,
             "dropped_fraction": float(metrics["dropped_fraction"]),
+            "unchosen_fraction": float(metrics["unchosen_fraction"]),
             "router_entropy": float(metrics["router_entropy"]),
             "expert_load": np.asarray(metrics["expert_load"]).tolist()}
 
@@ -462,6 +467,7 @@ def _summary(run: _Run, losses, evals, step_s, rows) -> dict[str, Any]:
     held-out loss) pairs, step seconds and metrics rows."""
     steady = step_s[1:] or step_s  # the first step compiles
     drops = [r["dropped_fraction"] for r in rows if "dropped_fraction" in r]
+    unchosen = [r.get("unchosen_fraction", 0.0) for r in rows if "dropped_fraction" in r]
     out_dir = run.out_dir
     return {"name": run.cfg.name, "steps": run.cfg.steps, "first_step": run.start_step + 1,
             "final_loss": float(np.mean(losses[-10:])),
@@ -470,6 +476,7 @@ def _summary(run: _Run, losses, evals, step_s, rows) -> dict[str, Any]:
             "tokens_per_s": len(steady) * run.tokens_per_step / sum(steady),
             "first_step_s": step_s[0],
             "dropped_fraction": float(np.mean(drops[-len(losses):])),
+            "unchosen_fraction": float(np.mean(unchosen[-len(losses):])),
             "devices": len(run.devices), "processes": run.nproc,
             "mesh": None if run.mesh is None else dict(run.mesh.shape),
             "out_dir": str(out_dir), "checkpoints": str(out_dir / "checkpoints"),
@@ -485,7 +492,9 @@ def _report(out_dir: Path, summary: dict[str, Any], rows, log) -> None:
         f"(last 10 steps), held-out {summary['eval_loss']:.3f}, "
         f"{summary['tokens_per_s']:,.0f} tokens/s after the first step "
         f"({summary['first_step_s']:.1f} s with compilation), "
-        f"{100 * summary['dropped_fraction']:.1f}% of expert assignments dropped")
+        f"{100 * summary['dropped_fraction']:.1f}% of expert assignments dropped"
+        + (f", {100 * summary['unchosen_fraction']:.1f}% of tokens chosen by no expert "
+           "(expert choice)" if summary["unchosen_fraction"] else ""))
     log(f"checkpoints: {summary['checkpoints']}\nmetrics: {summary['metrics']} "
         f"(TensorBoard: {summary['tensorboard']})\nplots: {', '.join(summary['plots'])}\n"
         f"summary: {out_dir / 'summary.json'}")

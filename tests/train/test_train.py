@@ -52,6 +52,7 @@ def test_train_command_loss_falls_and_writes_its_outputs(tmp_path, capsys):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["20", "40"]
     assert any((out / "tensorboard").iterdir())
     assert summary["dropped_fraction"] == np.mean([r["dropped_fraction"] for r in rows]) == 0
+    assert summary["unchosen_fraction"] == 0  # token choice routes every token
     assert summary["tokens_per_s"] > 0 and summary["first_step_s"] > 0
 
 
@@ -91,6 +92,22 @@ def test_resume_with_more_steps_logs_the_new_schedule(tmp_path):
     expected = [cosine(n, 4) for n in range(4)] + [cosine(n, 8) for n in range(4, 8)]
     assert [r["step"] for r in rows] == list(range(1, 9))
     np.testing.assert_allclose([r["lr"] for r in rows], expected, rtol=1e-5, atol=1e-12)
+
+
+def test_expert_choice_reports_the_tokens_no_expert_chose(tmp_path):
+    """With capacity 0.25 each of the 8 experts takes ceil(0.25 * T * 2 / 8) tokens, so at
+    most about half of the T tokens are chosen: the rows and the summary say so (the
+    dropped fraction counts capacity drops of token choice only)."""
+    result = run(tmp_path, "steps=2", "eval_every=2", "checkpoint.every=2",
+                 "model.router=expert_choice", "model.normalize_weights=false",
+                 "model.capacity_factor=0.25", "parallel.expert_parallel=false")
+    rows = [r for r in read_rows(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
+    tokens = 8 * 32  # data.batch_size x model.seq_len
+    chosen_at_most = 8 * int(np.ceil(0.25 * tokens * 2 / 8)) / tokens
+    for r in rows:
+        assert 1 - chosen_at_most - 1e-6 <= r["unchosen_fraction"] <= 1
+    assert result.summary["unchosen_fraction"] == np.mean([r["unchosen_fraction"]
+                                                           for r in rows])
 
 
 def test_restore_onto_another_expert_parallel_layout(tmp_path):
