@@ -96,7 +96,8 @@ def _generate(args: argparse.Namespace) -> int:
         "first_step_s": round(stats.first_step_s, 4),
         "decode_tokens_per_s": round(stats.decode_steps / stats.decode_s, 2)
         if stats.decode_steps and stats.decode_s > 0 else None,
-        "decode_ms_per_token": round(stats.decode_ms_per_token, 3),
+        "decode_ms_per_token": round(stats.decode_ms_per_token, 3)
+        if stats.decode_steps and stats.decode_s > 0 else None,
     }
     if tokenizer is None and (checkpoint / "tokenizer.json").exists():
         tokenizer = _tokenizer(checkpoint)
@@ -108,8 +109,9 @@ def _generate(args: argparse.Namespace) -> int:
         print("new tokens:", " ".join(map(str, new)))
         if "text" in result:
             print("text:", result["text"])
+        rate = result["decode_tokens_per_s"]
+        then = (f"then {rate} tokens/s ({result['decode_ms_per_token']} ms/token)"
+                if rate is not None else "no later decode step to time")
         print(f"prefill (incl. compile): {result['prefill_s']} s; first decode step "
-              f"(incl. compile): {result['first_step_s']} s; then "
-              f"{result['decode_tokens_per_s']} tokens/s "
-              f"({result['decode_ms_per_token']} ms/token)")
+              f"(incl. compile): {result['first_step_s']} s; {then}")
     return 0

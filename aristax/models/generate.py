@@ -208,7 +208,15 @@ def _prompt_mask(ids: np.ndarray, attention_mask, pad: int | None,
 def _special_ids(model: DecoderLM, eos_token_id, pad_token_id
                  ) -> tuple[tuple[int, ...], int | None]:
     """(EOS ids, pad id or None) as Hugging Face resolves them: the config's where not
-    given, the pad id falling back to the first EOS id."""
+    given, the pad id falling back to the first EOS id. Given EOS ids outside the
+    vocabulary, which no step can produce, are refused."""
+    vocab = model.config.vocab_size
+    if eos_token_id is not None:
+        outside = [int(e) for e in np.atleast_1d(eos_token_id) if not 0 <= int(e) < vocab]
+        if outside:
+            raise ValueError(f"eos_token_id {outside[0]} is outside this model's vocabulary "
+                             f"[0, {vocab}), so generation would never stop at it; give "
+                             f"an id in range, or none (() here, -1 on the command line)")
     if eos_token_id is None:
         eos_token_id = model.config.eos_token_id
     eos = () if eos_token_id is None else tuple(int(e) for e in np.atleast_1d(eos_token_id))

@@ -138,6 +138,8 @@ def _run_cli(argv, capsys):
     (["--ids", "1", "--dtype", "foo"], "--dtype='foo' is invalid"),
     (["--ids", "1", "999"], r"outside this model's vocabulary \[0, 160\)"),
     (["--text", "w1"], "--text needs .*tokenizer.json"),
+    (["--ids", "1", "--eos-token-id", "999"],  # never produced: it would never stop
+     r"eos_token_id 999 is outside this model's vocabulary \[0, 160\)"),
 ])
 def test_cli_generate_errors_exit_2(small_pair, capsys, argv, match):
     """The handler raises; ``aristax.cli.main`` prints one line and returns 2."""
@@ -163,6 +165,17 @@ def test_cli_generate_with_ids(small_pair, capsys):
     expected = generate(small_pair.ours, np.asarray([ids]), 6)[0, len(ids):].tolist()
     assert out["new_ids"] == expected
     assert out["decode_tokens_per_s"] > 0
+
+
+def test_cli_generate_stopped_at_the_first_token_reports_no_rate(small_pair, capsys):
+    """EOS as the first new token: no decode step is timed, and the line says so
+    instead of "None tokens/s"."""
+    ids = [5, 17, 42, 9]
+    first = int(generate(small_pair.ours, np.asarray([ids]), 1)[0, len(ids)])
+    out = _run_cli([str(small_pair.path), "--ids", *map(str, ids), "--max-new-tokens", "6",
+                    "--eos-token-id", str(first)], capsys)
+    assert f"new tokens: {first}\n" in out
+    assert "no later decode step to time" in out and "None" not in out
 
 
 def test_cli_generate_with_text(small_pair, tmp_path, capsys):
