@@ -208,6 +208,9 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("parallel.devices, group_size, num_chunks and expert_capacity must "
                           "be >= 0 (0: decide automatically)")
     m = cfg.model
+    if m.router == "expert_choice" and cfg.parallel.expert_parallel:
+        raise ConfigError("model.router=expert_choice picks tokens over the whole batch, which "
+                          "expert parallelism splits: set parallel.expert_parallel=false")
     if m.dtype == "float16":
         raise ConfigError("model.dtype=float16: AdamW keeps its moments in the parameters' "
                           "dtype, where its eps (1e-8) is 0, so an update of a zero gradient "

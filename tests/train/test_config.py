@@ -67,6 +67,8 @@ def test_implementation_is_a_name_or_an_ordered_list(tmp_path):
     ("", ["model.dtype=float64"], r"^model\.dtype='float64'.*64-bit"),
     ("", ["model.dtype=int8"], r"^model\.dtype='int8'.*floating"),
     ("", ["model.dtype=float16"], r"^model\.dtype=float16: AdamW.*use bfloat16"),
+    ("", ["model.router=expert_choice", "model.normalize_weights=false"],
+     r"^model\.router=expert_choice .*set parallel\.expert_parallel=false"),
     ("", ["parallel.exchange=foo"], r"^parallel\.exchange='foo'"),
     ("", ["model.num_kv_heads=3"], r"^model\.num_kv_heads=3 .*model\.num_heads=4"),
     ("", ["model.d_model=30"], r"^model\.d_model=30 .*model\.num_heads=4"),
