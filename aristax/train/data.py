@@ -125,8 +125,10 @@ def read_tokens(cfg: DataConfig, vocab_size: int = 0) -> tuple[np.ndarray, int]:
     except ImportError:
         raise ImportError("data.tokenizer needs the `tokenizers` package: pip install "
                           "tokenizers") from None
-    if not pathlib.Path(cfg.tokenizer).is_file():
-        raise FileNotFoundError(f"data.tokenizer={cfg.tokenizer!r} does not exist: give the path "
+    path = pathlib.Path(cfg.tokenizer)
+    if not path.is_file():
+        state = "is a directory, not a file" if path.is_dir() else "does not exist"
+        raise FileNotFoundError(f"data.tokenizer={cfg.tokenizer!r} {state}: give the path "
                                 "of a Hugging Face tokenizer.json, or leave data.tokenizer unset "
                                 "for bytes")
     try:

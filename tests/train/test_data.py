@@ -82,6 +82,9 @@ def test_bad_npy_and_tokenizer_files_name_the_config_key(tmp_path):
     missing = str(tmp_path / "nonexistent.json")
     with pytest.raises(FileNotFoundError, match=r"data.tokenizer=.*nonexistent.json"):
         data_lib.read_tokens(DataConfig(source=str(tmp_path / "docs"), tokenizer=missing))
+    with pytest.raises(FileNotFoundError, match=r"data.tokenizer=.*docs' is a directory"):
+        data_lib.read_tokens(DataConfig(source=str(tmp_path / "docs"),
+                                        tokenizer=str(tmp_path / "docs")))
     (tmp_path / "broken.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"data.tokenizer=.*broken.json.*tokenizer.json"):
         data_lib.read_tokens(DataConfig(source=str(tmp_path / "docs"),
