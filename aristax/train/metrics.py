@@ -119,8 +119,9 @@ def plot_run(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
         fig, axes = plt.subplots(L, 1, figsize=(6, 1.8 * L + 0.6), squeeze=False)
         for layer in range(L):
             ax = axes[layer, 0]
-            im = ax.imshow(shares[:, layer].T, aspect="auto", cmap="viridis",
-                           extent=(train[0]["step"], train[-1]["step"], shares.shape[2] - .5, -.5))
+            im = ax.imshow(shares[:, layer].T, aspect="auto", cmap="viridis",  # step s: [s-.5, s+.5]
+                           extent=(train[0]["step"] - .5, train[-1]["step"] + .5,
+                                   shares.shape[2] - .5, -.5))
             ax.set(ylabel=f"layer {layer}\nexpert")
             fig.colorbar(im, ax=ax, label="share")
         axes[-1, 0].set_xlabel("step")

@@ -465,7 +465,7 @@ def _train_loop(run: _Run, writer: MetricsWriter, row_of, log, preemption: Preem
 def _summary(run: _Run, losses, evals, step_s, rows) -> dict[str, Any]:
     """summary.json's content (without the plots) from the run's losses, (step,
     held-out loss) pairs, step seconds and metrics rows."""
-    steady = step_s[1:] or step_s  # the first step compiles
+    steady = step_s[1:]  # the first step compiles
     drops = [r["dropped_fraction"] for r in rows if "dropped_fraction" in r]
     unchosen = [r.get("unchosen_fraction", 0.0) for r in rows if "dropped_fraction" in r]
     out_dir = run.out_dir
@@ -473,7 +473,8 @@ def _summary(run: _Run, losses, evals, step_s, rows) -> dict[str, Any]:
             "final_loss": float(np.mean(losses[-10:])),
             "first_loss": losses[0],
             "eval_loss": evals[-1][1],
-            "tokens_per_s": len(steady) * run.tokens_per_step / sum(steady),
+            "tokens_per_s": (len(steady) * run.tokens_per_step / sum(steady)) if steady
+            else None,  # one step: only the compiling one
             "first_step_s": step_s[0],
             "dropped_fraction": float(np.mean(drops[-len(losses):])),
             "unchosen_fraction": float(np.mean(unchosen[-len(losses):])),
@@ -490,8 +491,9 @@ def _report(out_dir: Path, summary: dict[str, Any], rows, log) -> None:
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     log(f"done: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} "
         f"(last 10 steps), held-out {summary['eval_loss']:.3f}, "
-        f"{summary['tokens_per_s']:,.0f} tokens/s after the first step "
-        f"({summary['first_step_s']:.1f} s with compilation), "
+        + (f"{summary['tokens_per_s']:,.0f} tokens/s after the first step "
+           if summary["tokens_per_s"] else "no step after the first to time ")
+        + f"({summary['first_step_s']:.1f} s with compilation), "
         f"{100 * summary['dropped_fraction']:.1f}% of expert assignments dropped"
         + (f", {100 * summary['unchosen_fraction']:.1f}% of tokens chosen by no expert "
            "(expert choice)" if summary["unchosen_fraction"] else ""))

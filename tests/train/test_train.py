@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+import warnings
 
 import jax
 import numpy as np
@@ -108,6 +109,20 @@ def test_expert_choice_reports_the_tokens_no_expert_chose(tmp_path):
         assert 1 - chosen_at_most - 1e-6 <= r["unchosen_fraction"] <= 1
     assert result.summary["unchosen_fraction"] == np.mean([r["unchosen_fraction"]
                                                            for r in rows])
+
+
+def test_a_one_step_run_times_no_steady_step_and_plots_without_warnings(tmp_path):
+    """Its only step compiles: no tokens/s is claimed from it; the load plot of one
+    step spans it (matplotlib warned of a singular x range)."""
+    lines = []
+    cfg = load_config("experiments/configs/tiny.yaml", SMALL + [
+        f"out_dir={tmp_path / 'run'}", "steps=1", "eval_every=1", "checkpoint.every=1"])
+    with jax.numpy_dtype_promotion("standard"), warnings.catch_warnings():
+        warnings.filterwarnings("error", module="matplotlib")
+        result = train(cfg, log=lines.append)
+    assert result.summary["tokens_per_s"] is None
+    assert any("no step after the first to time" in line for line in lines)
+    assert (tmp_path / "run" / "expert_load.png").stat().st_size > 0
 
 
 def test_restore_onto_another_expert_parallel_layout(tmp_path):
