@@ -363,6 +363,15 @@ def _evaluate(run: _Run, eval_step) -> float:
                           for _ in range(run.cfg.eval_batches)]))
 
 
+def unused_parallel_keys(cfg: TrainConfig) -> list[str]:
+    """The parallel.* settings, away from their defaults, that only expert parallelism
+    reads (its topology, plan and exchange), as "key=value"."""
+    defaults = dataclasses.fields(type(cfg.parallel))
+    keys = ("topology", "expert_capacity", "group_size", "exchange")
+    return [f"parallel.{f.name}={getattr(cfg.parallel, f.name)!r}" for f in defaults
+            if f.name in keys and getattr(cfg.parallel, f.name) != f.default]
+
+
 def _announce(run: _Run, log) -> None:
     """Writes config.yaml and plan.json and logs the run (main process only)."""
     cfg, m, mesh, options = run.cfg, run.cfg.model, run.mesh, run.options
@@ -379,6 +388,12 @@ def _announce(run: _Run, log) -> None:
         f"(top-{m.top_k}, {m.router}), d_model {m.d_model}; {len(run.train_tokens):,} "
         f"training tokens from {cfg.data.source}; {len(run.devices)} devices in "
         f"{run.nproc} process(es), {mesh_text}; steps {run.start_step + 1}..{cfg.steps}")
+    unused = unused_parallel_keys(cfg) if run.plan is None else []
+    if unused:
+        why = ("parallel.expert_parallel=false" if not cfg.parallel.expert_parallel
+               else "one device")
+        log(f"note: {', '.join(unused)} shape expert parallelism, which this run does not "
+            f"use ({why}): they have no effect")
     if run.deleted:
         log(f"resumed from step {run.start_step}: deleted the later checkpoints {run.deleted}, "
             "which this run writes anew")

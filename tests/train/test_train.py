@@ -23,11 +23,11 @@ SMALL = ["model.d_model=32", "model.d_ff=64", "model.seq_len=32", "data.batch_si
          ]
 
 
-def run(tmp_path, *overrides, name="run"):
+def run(tmp_path, *overrides, name="run", log=lambda *a: None):
     cfg = load_config("experiments/configs/tiny.yaml",
                       SMALL + [f"out_dir={tmp_path / name}", *overrides])
     with jax.numpy_dtype_promotion("standard"):  # optax's Adam mixes int and float
-        return train(cfg, log=lambda *a: None)
+        return train(cfg, log=log)
 
 
 def test_train_command_loss_falls_and_writes_its_outputs(tmp_path, capsys):
@@ -99,9 +99,15 @@ def test_expert_choice_reports_the_tokens_no_expert_chose(tmp_path):
     """With capacity 0.25 each of the 8 experts takes ceil(0.25 * T * 2 / 8) tokens, so at
     most about half of the T tokens are chosen: the rows and the summary say so (the
     dropped fraction counts capacity drops of token choice only)."""
+    lines = []
     result = run(tmp_path, "steps=2", "eval_every=2", "checkpoint.every=2",
                  "model.router=expert_choice", "model.normalize_weights=false",
-                 "model.capacity_factor=0.25", "parallel.expert_parallel=false")
+                 "model.capacity_factor=0.25", "parallel.expert_parallel=false",
+                 "parallel.group_size=4", log=lines.append)
+    # tiny.yaml's expert_capacity and this group size only shape expert parallelism
+    assert ("note: parallel.expert_capacity=2, parallel.group_size=4 shape expert "
+            "parallelism, which this run does not use (parallel.expert_parallel=false)"
+            in "\n".join(lines))
     rows = [r for r in read_rows(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
     tokens = 8 * 32  # data.batch_size x model.seq_len
     chosen_at_most = 8 * int(np.ceil(0.25 * tokens * 2 / 8)) / tokens
