@@ -94,8 +94,22 @@ def plan_and_mesh(cfg: TrainConfig, devices):
         if len(devices) % W:
             raise ValueError(f"parallel.group_size={W} does not divide {len(devices)} devices")
         groups = [list(range(i, i + W)) for i in range(0, len(devices), W)]
-    plan = make_plan(topology, spec, groups=groups)
-    return plan, mesh_from_plan(plan, devices, topology=topology)
+    p = cfg.parallel
+    try:
+        plan = make_plan(topology, spec, groups=groups)
+    except ValueError as err:
+        raise ValueError(
+            f"no expert-parallel plan for model.num_experts={m.num_experts} on "
+            f"{len(devices)} devices with parallel.topology={p.topology!r}, "
+            f"parallel.expert_capacity={p.expert_capacity}, parallel.group_size={W} "
+            f"(set parallel.expert_parallel=false to run without one): {err}") from None
+    mesh = mesh_from_plan(plan, devices, topology=topology)
+    if p.exchange == "hierarchical" and "node" not in mesh.axis_names:
+        raise ValueError(f"parallel.exchange='hierarchical' exchanges within then between "
+                         f"nodes, and the plan's groups lie on one node (mesh "
+                         f"{dict(mesh.shape)}): leave parallel.exchange unset, or use a "
+                         f"topology whose groups span nodes")
+    return plan, mesh
 
 
 def batch_sharding(mesh) -> NamedSharding | None:

@@ -117,3 +117,21 @@ def test_model_config_is_moe_config_for_the_moe_options():
     moe = moe_config(cfg.model, cfg.parallel)
     for key, value in overrides.items():
         assert getattr(moe, key) == value, key
+
+
+@pytest.mark.parametrize("overrides,devices,match", [
+    (["parallel.group_size=2"], 8, r"^no expert-parallel plan for model.num_experts=8 on 8 "
+     r"devices with .*parallel.group_size=2 .*: group \[0, 1\] holds 4 experts"),
+    (["parallel.devices=3"], 3, r"^no expert-parallel plan .* on 3 devices with "
+     r"parallel.topology='uniform', parallel.expert_capacity=2"),
+    (["parallel.exchange=hierarchical"], 8, r"^parallel.exchange='hierarchical' .* one node"),
+])
+def test_plan_errors_name_the_parallel_keys(overrides, devices, match):
+    """Errors of the planner and the mesh arrive in the config's terms."""
+    import jax
+
+    from aristax.train.parallel_setup import plan_and_mesh
+
+    cfg = load_config("experiments/configs/tiny.yaml", overrides)
+    with pytest.raises(ValueError, match=match):
+        plan_and_mesh(cfg, jax.devices()[:devices])
