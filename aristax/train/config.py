@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from aristax.config import MoEConfig
@@ -143,6 +143,22 @@ class TrainConfig:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
 
 
+def _check_sections(layers, path) -> None:
+    """ConfigError unless each layer (the file, the overrides) is a mapping whose
+    sections (model, data, ...) are mappings too (OmegaConf's merge error names
+    neither)."""
+    sections = [f.name for f in dataclasses.fields(TrainConfig)
+                if f.default_factory is not dataclasses.MISSING]  # model, data, ...
+    for layer in layers:
+        if not isinstance(layer, DictConfig):
+            raise ConfigError(f"{path}: a config is a mapping of keys (e.g. 'steps: 100'), "
+                              f"not a {type(layer).__name__}")
+        for name in sections:
+            if name in layer and not isinstance(layer[name], DictConfig):
+                raise ConfigError(f"{name}={layer[name]!r}: {name} is a section; set its "
+                                  f"keys, e.g. {name}.<key>=value")
+
+
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
     """The base ``TrainConfig``, then the YAML file, then ``key=value`` overrides.
 
@@ -162,6 +178,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         if bad:
             raise ConfigError(f"override {bad[0]!r} is not key=value (e.g. optim.lr=1e-3)")
         layers.append(OmegaConf.from_dotlist(list(overrides)))
+        _check_sections(layers, path)
         merged = OmegaConf.merge(base, *layers)
         cfg: TrainConfig = OmegaConf.to_object(merged)
     except ConfigError:

@@ -67,6 +67,9 @@ def test_implementation_is_a_name_or_an_ordered_list(tmp_path):
     ("", ["model.dtype=float64"], r"^model\.dtype='float64'.*64-bit"),
     ("", ["model.dtype=int8"], r"^model\.dtype='int8'.*floating"),
     ("", ["model.dtype=float16"], r"^model\.dtype=float16: AdamW.*use bfloat16"),
+    ("", ["model=5"], r"^model=5: model is a section; set its keys"),  # a merge error
+    ("data: 3\n", [], r"^data=3: data is a section"),
+    ("- 1\n- 2\n", [], r"bad.yaml: a config is a mapping of keys"),
     ("", ["model.router=expert_choice", "model.normalize_weights=false"],
      r"^model\.router=expert_choice .*set parallel\.expert_parallel=false"),
     ("", ["parallel.exchange=foo"], r"^parallel\.exchange='foo'"),
