@@ -369,6 +369,24 @@ def _gmm_body(sched_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: MosaicTiles,
 WS_MEMORY_REGISTERS = 40  # registers per thread of the copy warpgroup (as JAX's Hopper matmul)
 
 
+def _ws_pipeline(step, context, block=0, ni=0, *, k: int, tiles: MosaicTiles,
+                 rhs_transposed: bool):
+    """The warp-specialized K loop of the [block_m, compute_wgs * block_n] output tile
+    (row block ``block``, column tile ``ni``): lhs [bm, bk] and rhs [bk, wgs * bn] (or
+    its transpose) per step, ``step(idx, lhs_smem, rhs_smem, acc)`` on each compute
+    warpgroup inside ``context``."""
+    bm, bn, bk, wgs = tiles.block_m, tiles.block_n, tiles.block_k, tiles.compute_wgs
+    if rhs_transposed:
+        rhs_spec = plgpu.BlockSpec((wgs * bn, bk), lambda kk: (ni, kk))
+    else:
+        rhs_spec = plgpu.BlockSpec((bk, wgs * bn), lambda kk: (kk, ni))
+    return plgpu.emit_pipeline_warp_specialized(
+        step, grid=(k // bk,), memory_registers=WS_MEMORY_REGISTERS,
+        in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (block, kk)), rhs_spec],
+        wg_axis="wg", num_compute_wgs=wgs,
+        max_concurrent_steps=tiles.max_concurrent_steps, compute_context=context)
+
+
 def _gmm_ws_body(sched_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: MosaicTiles,
                  rhs_transposed: bool, interpret: bool):
     """``_gmm_body`` warp-specialized (``tiles.compute_wgs`` > 1): in each program one
@@ -387,17 +405,8 @@ def _gmm_ws_body(sched_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: MosaicTiles
     g, k = rhs_gmem.shape[0], lhs_gmem.shape[1]
     bm, bn, bk, wgs = tiles.block_m, tiles.block_n, tiles.block_k, tiles.compute_wgs
     num_tiles, cols = sched_gmem.shape[1], n // (wgs * bn)
-
-    def pipeline(step, context, block=0, ni=0):
-        if rhs_transposed:
-            rhs_spec = plgpu.BlockSpec((wgs * bn, bk), lambda kk: (ni, kk))
-        else:
-            rhs_spec = plgpu.BlockSpec((bk, wgs * bn), lambda kk: (kk, ni))
-        return plgpu.emit_pipeline_warp_specialized(
-            step, grid=(k // bk,), memory_registers=WS_MEMORY_REGISTERS,
-            in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (block, kk)), rhs_spec],
-            wg_axis="wg", num_compute_wgs=wgs,
-            max_concurrent_steps=tiles.max_concurrent_steps, compute_context=context)
+    pipeline = functools.partial(_ws_pipeline, k=k, tiles=tiles,
+                                 rhs_transposed=rhs_transposed)
 
     def scope(allocations, out_smem, scratch=None):
         wg = jax.lax.axis_index("wg")
