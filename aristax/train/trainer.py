@@ -366,9 +366,9 @@ def _evaluate(run: _Run, eval_step) -> float:
 def unused_parallel_keys(cfg: TrainConfig) -> list[str]:
     """The parallel.* settings, away from their defaults, that only expert parallelism
     reads (its topology, plan and exchange), as "key=value"."""
-    defaults = dataclasses.fields(type(cfg.parallel))
     keys = ("topology", "expert_capacity", "group_size", "exchange")
-    return [f"parallel.{f.name}={getattr(cfg.parallel, f.name)!r}" for f in defaults
+    return [f"parallel.{f.name}={getattr(cfg.parallel, f.name)!r}"
+            for f in dataclasses.fields(cfg.parallel)
             if f.name in keys and getattr(cfg.parallel, f.name) != f.default]
 
 
