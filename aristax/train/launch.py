@@ -8,7 +8,8 @@ Process 0's output is shown; the others' goes to ``<out_dir>/process_<i>.log``.
 If a process exits with an error (or is killed), the launcher stops the others
 (SIGTERM, then SIGKILL after ``grace`` seconds) and exits with an error naming the
 process and its exit code, so a dead peer never leaves the rest waiting in a
-collective.
+collective; a process that exits 2 (``aristax train``'s config or input error, its
+one line in its output) makes the launcher exit 2 too.
 
 SIGTERM or SIGINT to the launcher is forwarded to every process as SIGTERM, which
 ``aristax train`` takes as a preemption notice (a checkpoint at a step all processes
@@ -41,6 +42,7 @@ def free_port() -> int:
 
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+USER_ERROR = 2  # the exit status of `aristax train` on a config or input error
 
 
 def without_device_count(env: dict[str, str]) -> dict[str, str]:
@@ -133,10 +135,14 @@ def _run_processes(config, overrides, num_processes, out_dir, grace, poll, log,
             if failed:
                 i, code = failed[0]
                 stop(procs, grace)
+                where = "above" if i == 0 else out_dir / f"process_{i}.log"
+                if code == USER_ERROR:  # its one line names the config key or input
+                    log(f"launch: process {i} stopped on an error in the config or input "
+                        f"(its log: {where}); stopped the other {num_processes - 1}")
+                    return USER_ERROR
                 raise RuntimeError(
                     f"process {i} (pid {procs[i].pid}) exited with code {code}; stopped the "
-                    f"other {num_processes - 1}. Its log: "
-                    f"{'above' if i == 0 else out_dir / f'process_{i}.log'}")
+                    f"other {num_processes - 1}. Its log: {where}")
             if all(c == 0 for c in codes):
                 return 0
             time.sleep(poll)

@@ -67,6 +67,16 @@ def test_a_dead_process_stops_the_others(tmp_path):
     assert f"process 1 (pid {pid}) exited with code -9" in err
 
 
+def test_a_config_error_in_the_processes_exits_2(tmp_path):
+    """A batch of 8 rows does not split over 16 devices: each process prints the one-line
+    config error and exits 2, and so does the launcher (it exited 1, as on a crash)."""
+    proc = launcher(tmp_path, "parallel.devices=16")
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 2, err[-2000:]
+    assert "data.batch_size=8" in err and "Traceback" not in err + out
+    assert "launch: process" in out + err and "error in the config or input" in out + err
+
+
 def test_bad_process_counts_are_cli_errors_before_any_process_starts(tmp_path, monkeypatch,
                                                                      capsys):
     def no_process(*args, **kwargs):
