@@ -68,7 +68,7 @@ from aristax.parallel import collectives, overlap
 from aristax.parallel.collectives import check_exchange, default_exchange
 from aristax.parallel.mesh import (EMPTY_SLOT, expert_axes_of, expert_permutation,
                                    inverse_permutation)
-from aristax.sharding import DATA_AXIS, EXPERT_AXIS, PARAM_DIMS
+from aristax.sharding import DATA_AXIS, EXPERT_AXIS, EXPERT_FIELDS, PARAM_DIMS
 _SCALAR_AUX = ("loss", "lb_loss", "seq_aux_loss", "z_loss", "dropped_fraction",
                "num_dropped", "num_overflow", "nonfinite_tokens", "unchosen_tokens")
 
@@ -189,6 +189,39 @@ def _chunked_exchange(xc, routing, physical, config, chunk_buffer, num_chunks,
         ys.append(y)
         num_overflow = num_overflow + over
     return jnp.concatenate(ys, axis=0), num_dropped, num_overflow
+
+
+def tie_replicas(w: jax.Array, phys_to_log: Sequence[int]) -> jax.Array:
+    """``w`` [num_slots, ...] itself; in the backward, each slot's gradient is the sum
+    over the slots holding its logical expert (``phys_to_log``, ``EMPTY_SLOT`` < 0 for
+    none). So the copies of a replicated expert all get the logical expert's gradient,
+    as on one device, and stay equal under any optimizer that updates elementwise
+    (each copy alone would get only its share of the tokens' gradient)."""
+    return _tied(w, tuple(int(e) for e in phys_to_log))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _tied(w, phys_to_log):
+    return w
+
+
+def _tied_fwd(w, phys_to_log):
+    return w, None
+
+
+def _tied_bwd(phys_to_log, _, g):
+    seg = np.asarray(phys_to_log)
+    seg = np.where(seg < 0, seg.max() + 1 + np.arange(len(seg)), seg)  # empty: alone
+    sharding = jax.typeof(g).sharding  # sharded in its type only on Explicit axes
+    explicit = any(a is not None for a in sharding.spec)
+    if explicit:  # there the sum over slots needs the slots in one place first
+        g = jax.sharding.reshard(g, NamedSharding(sharding.mesh, P()))
+    idx = jnp.asarray(seg, jnp.int32)
+    tied = jax.ops.segment_sum(g, idx, num_segments=int(seg.max()) + 1)[idx]
+    return (jax.sharding.reshard(tied, sharding) if explicit else tied,)
+
+
+_tied.defvjp(_tied_fwd, _tied_bwd)
 
 
 def replica_tables(phys_to_log: Sequence[int], num_experts: int) -> tuple[np.ndarray, np.ndarray]:
@@ -471,8 +504,10 @@ def expert_parallel_moe(
         num_slots > E: replicated experts (every logical expert in >= 1 slot,
         num_slots % W == 0; ``layout_experts(params, expert_perm)`` lays the weights
         out): each logical expert's tokens are split over its replicas round-robin by
-        global token index; capacity stays per logical expert, so outputs, gradients
-        (summed over replicas) and aux equal the unreplicated layer's.
+        global token index; capacity stays per logical expert, so outputs and aux
+        equal the unreplicated layer's, and each replica's gradient is its logical
+        expert's gradient (``tie_replicas``: the replicas' shares summed), so that
+        replicas trained by an elementwise optimizer stay equal.
       exchange: the all-to-all strategy, one of ``EXCHANGES``; None: "padded" on CPU,
         "ragged" on GPU/TPU; "hierarchical": Tutel 2DH (intra-node then inter-node
         all_to_all) over an ``expert_axis`` pair.
@@ -609,5 +644,10 @@ def _sharded_forward(x, router_in, params, bias, *, layout: ShardedLayout):
     # such as nnx.grad) cannot constrain single-device arrays
     params = MoEParams(**{name: _place(getattr(params, name), mesh, getattr(param_specs, name))
                           for name in PARAM_DIMS})
+    if replicas is not None:  # the copies of an expert train as one
+        params = MoEParams(**{name: getattr(params, name) if name not in EXPERT_FIELDS
+                              or getattr(params, name) is None
+                              else tie_replicas(getattr(params, name), expert_perm)
+                              for name in PARAM_DIMS})
     return sharded(_place(x, mesh, tok), _place(router_in, mesh, tok), params,
                    _place(bias, mesh, P()))

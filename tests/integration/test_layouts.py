@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -132,3 +133,42 @@ def test_orbax_between_a_plan_layout_and_one_device(tmp_path):
     assert other.experts.up_edf[...].sharding.mesh.shape == planned.mesh.shape
     y_other = nnx.jit(lambda m, x: m(x))(other, X)[0]
     np.testing.assert_allclose(np.asarray(y_other), np.asarray(y_plan), rtol=3e-5, atol=3e-5)
+
+
+def test_replicated_experts_train_as_one():
+    """A plan with 16 slots for 8 experts (hot ones copied up to 6 times): each copy sees
+    part of its expert's tokens, yet SGD must move every copy by the expert's whole
+    gradient, as the one-device layer does. The copies drifted apart before."""
+    import optax
+
+    plan = make_plan(uniform(8, expert_capacity=4),
+                     ModelSpec(num_experts=8, top_k=2, num_replicas=16,
+                               expert_load=(50, 20, 10, 5, 2, 1, 1, 1)),
+                     groups=[[0, 1, 2, 3], [4, 5, 6, 7]])
+    mesh = mesh_from_plan(plan)
+    single = MoE(CFG, rngs=nnx.Rngs(0))
+    planned = MoE(CFG, rngs=nnx.Rngs(3), mesh=mesh, plan=plan)
+    planned.load_logical_params(single.logical_params())
+    perm = np.asarray(planned.expected_layout())
+    assert len(perm) == 16 and np.bincount(perm).max() > 1  # replicas present
+    target = jnp.roll(X, 1, axis=1)
+
+    def step(model, opt):
+        loss, grads = nnx.value_and_grad(
+            lambda m: jnp.mean((m(X)[0] - target) ** 2))(model)
+        opt.update(model, grads)
+        return loss
+
+    opts = [nnx.Optimizer(m, optax.sgd(0.5), wrt=nnx.Param) for m in (single, planned)]
+    for _ in range(3):
+        loss_single = nnx.jit(step)(single, opts[0])
+        with jax.set_mesh(mesh):
+            loss_planned = nnx.jit(step)(planned, opts[1])
+        np.testing.assert_allclose(float(loss_planned), float(loss_single), rtol=1e-5)
+    for name in ("gate_edf", "up_edf", "down_efd"):
+        w = np.asarray(getattr(planned.experts, name)[...])
+        for e in range(8):
+            copies = w[perm == e]
+            np.testing.assert_array_equal(copies, np.broadcast_to(copies[0], copies.shape))
+        np.testing.assert_allclose(getattr(planned.logical_params(), name),
+                                   getattr(single.logical_params(), name), atol=1e-6)
