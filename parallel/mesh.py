@@ -94,6 +94,10 @@ def mesh_from_plan(
             f"plan.num_devices={plan.num_devices} but {len(devices)} devices were given; "
             "pass the devices the plan was made for (devices=...) or re-plan for "
             f"{len(devices)} devices.")
+    if topology is not None and topology.num_devices != plan.num_devices:
+        raise ValueError(
+            f"topology= has {topology.num_devices} devices but the plan is for "
+            f"{plan.num_devices}: pass the topology the plan was made for, or re-plan.")
     if num_experts is not None and num_experts != plan.num_experts:
         raise ValueError(
             f"plan.num_experts={plan.num_experts} but num_experts={num_experts}; make the "

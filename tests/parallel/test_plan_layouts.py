@@ -112,6 +112,15 @@ def test_mesh_from_plan_rejects_groups_that_interleave_nodes():
         mesh_from_plan(plan, hierarchical=True)
 
 
+@pytest.mark.parametrize("devices", [4, 16])
+def test_mesh_from_plan_refuses_a_topology_of_another_size(devices):
+    """It silently built the mesh (16) or raised a bare IndexError (4)."""
+    plan = make_plan(two_nodes(), ModelSpec(num_experts=8))
+    with pytest.raises(ValueError, match=f"topology= has {devices} devices but the plan "
+                                         f"is for 8"):
+        mesh_from_plan(plan, topology=uniform(devices))
+
+
 def test_moe_module_carries_out_a_skewed_plan():
     plan = skewed_plan()
     mesh = mesh_from_plan(plan)
