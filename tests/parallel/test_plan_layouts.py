@@ -121,6 +121,17 @@ def test_mesh_from_plan_refuses_a_topology_of_another_size(devices):
         mesh_from_plan(plan, topology=uniform(devices))
 
 
+def test_moe_refuses_a_mesh_not_built_from_its_plan():
+    """A (4, 2) mesh for a plan of 2 groups of 4 was accepted: 4 experts per device, the
+    plan's placement ignored."""
+    plan = make_plan(uniform(8, expert_capacity=2), ModelSpec(num_experts=8, top_k=2))
+    assert [len(g) for g in plan.groups] == [4, 4]
+    cfg = MoEConfig(num_experts=8, top_k=2, d_model=D, d_ff=F)
+    with pytest.raises(ValueError, match=r"mesh \{'data': 4, 'expert': 2\} is not the plan's"
+                                         r".*2 expert-parallel groups of 4"):
+        MoE(cfg, rngs=nnx.Rngs(0), mesh=jax.make_mesh((4, 2), ("data", "expert")), plan=plan)
+
+
 def test_moe_module_carries_out_a_skewed_plan():
     plan = skewed_plan()
     mesh = mesh_from_plan(plan)
