@@ -289,6 +289,22 @@ def _down_scatter_body(sched_gmem, order_gmem, w_gmem, nv_gmem, h_gmem, down_gme
             pl.run_scoped(scatter, plgpu.SMEM((bm, bn), jnp.float32))
 
 
+def down_tiles(tiles: mg.MosaicTiles | None, m: int, f: int, d: int, num_experts: int,
+               in_dtype) -> mg.MosaicTiles:
+    """The down kernel's tiles for h [m, f] @ down [num_experts, f, d]: the caller's or
+    ragged_dot's heuristic on one warpgroup (the scatter epilogue is not warp
+    specialized), fitted with its float32 tile held in SMEM around the GEMM's
+    pipeline, block_n at least 128 (the epilogue's 1-D rows)."""
+    if tiles is None:
+        tiles = dataclasses.replace(mg.MosaicTiles.for_shape(m, f, d, num_experts),
+                                    compute_wgs=1)
+    tiles = mg.resolve_tiles(tiles, m, f, d, num_experts, in_dtype, jnp.float32,
+                             out_tile_with_pipeline=True)
+    if tiles.block_n % mgpu.WARPGROUP_ROW:
+        tiles = dataclasses.replace(tiles, block_n=mgpu.WARPGROUP_ROW)
+    return tiles
+
+
 def down_combine(h, down_efd, sort_order, weights, num_valid, group_sizes, *,
                  tiles: mg.MosaicTiles | None = None, interpret=False) -> jax.Array:
     """y [T, D] float32, y[t] = sum_k weights[t, k] * (h @ down[e])[row of assignment t*K+k]
@@ -299,11 +315,7 @@ def down_combine(h, down_efd, sort_order, weights, num_valid, group_sizes, *,
     h: [M, F] in expert order (16-bit); down_efd: [E, F, D], h's dtype.
     """
     (m, f), (e, _, d), (T, K) = h.shape, down_efd.shape, weights.shape
-    # the scatter holds its float32 tile in SMEM around the GEMM's pipeline
-    tiles = mg.resolve_tiles(tiles, m, f, d, e, h.dtype, jnp.float32,
-                              out_tile_with_pipeline=True)
-    if tiles.block_n % mgpu.WARPGROUP_ROW:  # the epilogue's 1-D rows need 128+
-        tiles = dataclasses.replace(tiles, block_n=mgpu.WARPGROUP_ROW)
+    tiles = down_tiles(tiles, m, f, d, e, h.dtype)
     body = functools.partial(_down_scatter_body, tiles=tiles)
     by_assignment = mgpu.launch(body, jax.ShapeDtypeStruct((m, d), jnp.float32), interpret)(
         mg.row_tile_schedule(group_sizes, m, tiles.block_m), sort_order,

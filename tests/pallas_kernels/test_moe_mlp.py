@@ -371,6 +371,12 @@ def test_tiles_validate_and_fit_shapes():
     with pytest.raises(ValueError, match="down.compute_wgs must be 1"):
         MosaicMoeMlpTiles(down=mg.MosaicTiles(compute_wgs=2))
     assert MosaicMoeMlpTiles(backward=mg.MosaicTiles(compute_wgs=2)).backward.compute_wgs == 2
+    # ragged_dot's heuristic is warp-specialized where 256 divides N; the down kernel
+    # takes it on one warpgroup: 4 steps of [128, 64] x [64, 128] bf16 (32 KiB each)
+    # beside its [128, 128] float32 tile (64 KiB) fit in 227 KiB
+    assert mg.MosaicTiles.for_shape(8192, 14336, 4096, 8).compute_wgs == 2
+    down = mosaic_gpu.down_tiles(None, 8192, 14336, 4096, 8, jnp.bfloat16)
+    assert (down.compute_wgs, down.block_n, down.max_concurrent_steps) == (1, 128, 4)
     assert GateUpTiles.for_shape(192).block_n == 64
     assert GateUpTiles(block_n=128).fit(192).block_n == 64
     assert GateUpTiles(block_n=128).fit(256).block_n == 128

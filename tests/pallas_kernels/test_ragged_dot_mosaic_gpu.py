@@ -321,13 +321,24 @@ def test_tiles_validation_and_heuristic():
     bf16, f32 = jnp.bfloat16, jnp.float32
     for m, k, n, g in [(4096, 1024, 512, 8), (256, 64, 192, 16), (8, 128, 64, 1)]:
         t = mg.MosaicTiles.for_shape(m, k, n, g)
-        assert t.fit(k, n, bf16, f32) == t  # already divides and fits
+        assert t.fit(k, n, bf16, bf16) == t  # already divides and fits
+        # a float32 output beside the warp-specialized pipeline may take it shallower
+        f32_out = t.fit(k, n, bf16, f32)
+        assert dataclasses.replace(f32_out, max_concurrent_steps=t.max_concurrent_steps) == t
+        assert f32_out.smem_bytes(2, 4, tgmm=False) <= mgpu.SMEM_BYTES
+        assert t.compute_wgs == (2 if n % 256 == 0 else 1)  # warp-specialized where it fits
         dlhs = t.fit(n, k, bf16, bf16)  # the backward's dlhs = gmm(dout, rhs^T)
         assert dlhs.block_k == t.block_k and dlhs.block_m == t.block_m
         assert 1 <= t.max_concurrent_steps <= max(1, k // t.block_k)
     with pytest.raises(ValueError, match="compute_wgs must be 1 or 2"):
         mg.MosaicTiles(compute_wgs=3)
     assert mg.MosaicTiles.for_shape(4096, 512, 512, 64).block_m == 64  # small groups
+    # Mixtral's up projection: 4 steps of [128, 64] x [64, 256] (48 KiB each) and two
+    # [128, 64] float32 store buffers exceed 227 KiB, 3 steps do not
+    mixtral = mg.MosaicTiles.for_shape(8192, 4096, 14336, 8)
+    assert (mixtral.compute_wgs, mixtral.max_concurrent_steps) == (2, 4)
+    assert mixtral.fit(4096, 14336, bf16, f32).max_concurrent_steps == 3
+    assert mixtral.fit(4096, 14336, bf16, bf16).max_concurrent_steps == 4
     assert mg.MosaicTiles.for_shape(4096, 512, 512, 4).block_m == 128
 
 
