@@ -30,7 +30,7 @@ the same run), ``jax.lax.ragged_dot`` and ``torch._grouped_mm`` (when torch with
 imports), at uniform and Zipf-skewed group sizes. At the two timed shapes the Mosaic GPU
 grouped GEMM also runs with other tiles (``TILE_VARIANTS``: one warpgroup per output
 tile instead of the warp-specialized default, bands of 8 column tiles, tgmm steps of
-128 rows, row tiles of 64), as backends "mosaic_gpu.<variant>".
+128 rows, tgmm warp-specialized, row tiles of 64), as backends "mosaic_gpu.<variant>".
 
 A step that fails is recorded with its error and the run goes on; the JSON is
 rewritten after each step. A worker process runs the steps; where it dies (a kernel
@@ -162,13 +162,15 @@ class Case:
 # Changes to the Mosaic GPU grouped GEMM's default tiles (``MosaicTiles.for_shape``)
 # run beside it as backend "mosaic_gpu.<name>": one warpgroup per output tile of
 # [128, 128] (the default before it was warp-specialized), bands of 8 column tiles
-# instead of 16 (forward and tgmm), tgmm steps of 128 rows instead of 64, row tiles of
-# 64 (at the fine-grained shape, where groups of about 128 rows straddle two). Measured and
-# dropped (results/gpu_check_h200_4.json): the row-major tile order, bands of 32,
-# [64, 256] tiles on one warpgroup, a 6-step pipeline.
+# instead of 16 (forward and tgmm), tgmm steps of 128 rows instead of 64, tgmm
+# warp-specialized (a copy warpgroup and two compute warpgroups on [128, 256] tiles),
+# row tiles of 64 (at the fine-grained shape, where groups of about 128 rows straddle
+# two). Measured and dropped (results/gpu_check_h200_4.json): the row-major tile
+# order, bands of 32, [64, 256] tiles on one warpgroup, a 6-step pipeline.
 TILE_VARIANTS = {"one_wg": dict(compute_wgs=1),
                  "band8": dict(band_n=8, tgmm_band_n=8),
                  "tgmm_m128": dict(tgmm_block_m=128),
+                 "tgmm_ws": dict(tgmm_compute_wgs=2),
                  "m64": dict(block_m=64)}
 SMALL = Shape("small", E=8, D=256, F=192, K=2, T=264)
 MIXTRAL = Shape("mixtral", E=8, D=4096, F=14336, K=2, T=4096)
@@ -178,8 +180,9 @@ ODD = Shape("odd", E=6, D=200, F=136, K=3, T=37)  # unaligned: Mosaic GPU refuse
 # Most valuable first (a run cut short by --budget-s keeps what it did): every kernel
 # at the two real shapes in bf16, timed; the precision rule; unaligned shapes.
 GPU_PLAN = (
-    Case(MIXTRAL, "bfloat16", timed=True, tile_variants=("one_wg", "band8", "tgmm_m128")),
-    Case(FINE, "bfloat16", timed=True, tile_variants=("one_wg", "m64")),
+    Case(MIXTRAL, "bfloat16", timed=True, tile_variants=("tgmm_ws", "one_wg", "band8",
+                                                         "tgmm_m128")),
+    Case(FINE, "bfloat16", timed=True, tile_variants=("tgmm_ws", "m64", "one_wg")),
     Case(SMALL, "float32", "highest"),
     Case(SMALL, "float32"),
     Case(ODD, "bfloat16"),

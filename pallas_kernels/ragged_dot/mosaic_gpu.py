@@ -95,7 +95,8 @@ class MosaicTiles:
     column tiles: row-major), so the tiles in flight share their operands in L2.
     ``compute_wgs``: 1, or 2 for gmm (and gmm_t) warp-specialized (``_gmm_ws_body``):
     output tiles of [block_m, 2 * block_n], a copy warpgroup and two compute
-    warpgroups of [block_m, block_n] each; tgmm always runs one warpgroup.
+    warpgroups of [block_m, block_n] each. ``tgmm_compute_wgs``: the same for tgmm
+    (``_tgmm_ws_body``): output tiles of [tgmm_block_k, 2 * tgmm_block_n].
     """
 
     block_m: int = 128
@@ -109,6 +110,7 @@ class MosaicTiles:
     band_n: int = 16
     tgmm_band_n: int = 16
     compute_wgs: int = 1
+    tgmm_compute_wgs: int = 1
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -117,9 +119,10 @@ class MosaicTiles:
                 raise ValueError(f"MosaicTiles.{f.name} must be a positive int; got {v!r}")
             if "block" in f.name and v % ALIGN:
                 raise ValueError(f"MosaicTiles.{f.name}={v} is not a multiple of {ALIGN}")
-        if self.compute_wgs not in (1, 2):
-            raise ValueError(f"MosaicTiles.compute_wgs must be 1 or 2 (warpgroups computing "
-                             f"one output tile); got {self.compute_wgs}")
+        for name in ("compute_wgs", "tgmm_compute_wgs"):
+            if getattr(self, name) not in (1, 2):
+                raise ValueError(f"MosaicTiles.{name} must be 1 or 2 (warpgroups computing "
+                                 f"one output tile); got {getattr(self, name)}")
 
     @classmethod
     def for_shape(cls, m: int, k: int, n: int, num_groups: int) -> MosaicTiles:
@@ -170,10 +173,14 @@ class MosaicTiles:
         that holds its tile around the pipeline, e.g. moe_mlp's ``down_combine``) or
         ``compute_wgs`` > 1 (its store buffers, see ``_gmm_ws_body``), alongside it
         (the sum)."""
-        if tgmm:
+        if tgmm:  # warp-specialized: a copy of the lhs tile per compute warpgroup
             bm, bk, bn = self.tgmm_block_m, self.tgmm_block_k, self.tgmm_block_n
-            operands = self.tgmm_max_concurrent_steps * (bm * bk + bm * bn) * in_itemsize
-            out = bk * bn * out_itemsize
+            wgs = self.tgmm_compute_wgs
+            operands = self.tgmm_max_concurrent_steps * wgs * (bm * bk + bm * bn) * in_itemsize
+            if wgs > 1:  # one [bk, 64] store buffer per compute warpgroup, kept
+                out_tile_with_pipeline, out = True, wgs * bk * ALIGN * out_itemsize
+            else:
+                out = bk * bn * out_itemsize
         else:
             bm, bk, wgs = self.block_m, self.block_k, self.compute_wgs
             operands = self.max_concurrent_steps * (bm * bk + bk * wgs * self.block_n)
@@ -190,7 +197,8 @@ class MosaicTiles:
         requires), so that a call ``check`` accepts is always served.
 
         A block_k/block_n (either pass) that does not divide its dimension drops to
-        64; ``compute_wgs`` drops to 1 where 2 * block_n does not divide N; a pipeline
+        64; ``compute_wgs`` drops to 1 where 2 * block_n does not divide N (and
+        ``tgmm_compute_wgs`` where 2 * tgmm_block_n does not); a pipeline
         deeper than Hopper's SMEM holds gets shallower (``out_tile_with_pipeline``:
         the forward's, see ``smem_bytes``).
 
@@ -207,6 +215,8 @@ class MosaicTiles:
         )
         if n % (tiles.compute_wgs * tiles.block_n):
             tiles = dataclasses.replace(tiles, compute_wgs=1)
+        if n % (tiles.tgmm_compute_wgs * tiles.tgmm_block_n):
+            tiles = dataclasses.replace(tiles, tgmm_compute_wgs=1)
         sizes = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
         for tgmm, field in ((False, "max_concurrent_steps"),
                             (True, "tgmm_max_concurrent_steps")):
@@ -546,6 +556,96 @@ def _tgmm_body(info_gmem, lhs_gmem, dout_gmem, out_gmem, *, tiles: MosaicTiles,
         pl.run_scoped(store, plgpu.SMEM((bk, bn), out_gmem.dtype))
 
 
+def _tgmm_ws_body(info_gmem, lhs_gmem, dout_gmem, out_gmem, *, tiles: MosaicTiles,
+                  interpret):
+    """``_tgmm_body`` warp-specialized (``tiles.tgmm_compute_wgs`` > 1): per program one
+    warpgroup issues the TMA copies and compute warpgroup w computes the [bk, bn] part
+    w of a [bk, wgs * bn] output tile: lhs_blk[:, ki]^T @ dout_blk[:, its bn columns],
+    over the group's row blocks (``plgpu.emit_pipeline_warp_specialized``, grid: the
+    group's row blocks, traced). Every warpgroup writes only buffers it owns: the
+    pipeline brings one copy of the lhs tile per compute warpgroup (each masks its own
+    copy's rows outside the group, and its own columns of dout; the interpreter's race
+    detector does not see races between warpgroups, see ``_gmm_ws_body``), and each
+    stores its part 64 columns at a time through its own SMEM buffer."""
+    g, k, n = out_gmem.shape
+    bm, bk, bn = tiles.tgmm_block_m, tiles.tgmm_block_k, tiles.tgmm_block_n
+    wgs, cols = tiles.tgmm_compute_wgs, n // (tiles.tgmm_compute_wgs * tiles.tgmm_block_n)
+
+    def pipeline(step, context, first=0, ki=0, ni=0, blocks=tiles.tgmm_max_concurrent_steps):
+        lhs_spec = plgpu.BlockSpec((bm, bk), lambda r: (first + r.astype(jnp.int32), ki))
+        dout_spec = plgpu.BlockSpec((bm, wgs * bn), lambda r: (first + r.astype(jnp.int32), ni))
+        return plgpu.emit_pipeline_warp_specialized(
+            step, grid=(blocks,), memory_registers=WS_MEMORY_REGISTERS,
+            in_specs=[lhs_spec] * wgs + [dout_spec], wg_axis="wg", num_compute_wgs=wgs,
+            max_concurrent_steps=tiles.tgmm_max_concurrent_steps, compute_context=context)
+
+    def scope(allocations, out_smem, scratch=None):
+        wg = jax.lax.axis_index("wg")
+
+        @plgpu.nd_loop((g, (k // bk) * cols), collective_axes="sm")
+        def _(info):
+            gi, lin = info.index
+            ki, ni = band_order(lin, k // bk, cols, tiles.tgmm_band_n)
+            start, end, first, blocks = (info_gmem[i, gi] for i in range(4))
+
+            def store(tile):  # a compute warpgroup's [bk, bn] part, 64 columns at a time
+                for c in range(0, bn, ALIGN):
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # out_smem[wg] is free
+                    out_smem[wg] = tile[:, c:c + ALIGN].astype(out_gmem.dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[
+                        gi, pl.ds(ki * bk, bk), pl.ds((ni * wgs + wg) * bn + c, ALIGN)])
+
+            def context(run):
+                def acc_scope(acc_ref):
+                    run(acc_ref)
+                    store(acc_ref[...])
+
+                pl.run_scoped(acc_scope, plgpu.ACC((bk, bn), jnp.float32))
+
+            def step(idx, *refs):
+                *lhs_copies, dout_smem, acc_ref = refs
+                row0 = (first + idx[0]) * bm
+                for w in range(wgs):  # static refs per warpgroup
+                    lhs, dout = lhs_copies[w], dout_smem.at[:, pl.ds(w * bn, bn)]
+
+                    @pl.when((wg == w) & ((row0 < start) | (row0 + bm > end)))
+                    def _():
+                        _mask_rows(lhs, row0, start, end)
+                        _mask_rows(dout, row0, start, end)
+                        plgpu.commit_smem()
+
+                    @pl.when(wg == w)
+                    def _():
+                        plgpu.wgmma(acc_ref, transposed(
+                            lhs, None if scratch is None else scratch.at[w]), dout)
+                plgpu.wgmma_wait(0)  # the pipeline frees the step's buffers on return
+                return acc_ref
+
+            @pl.when(blocks > 0)
+            def _():
+                # emit_pipeline takes min(Python int, steps): the default int dtype
+                grid = blocks.astype(jax.dtypes.canonicalize_dtype(jnp.int64))
+                pipeline(step, context, first, ki, ni, grid)(
+                    *[lhs_gmem] * wgs, dout_gmem, allocations=allocations)
+
+            @pl.when((blocks == 0) & (wg < wgs))
+            def _():
+                store(jnp.zeros((bk, bn), jnp.float32))
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    def ignore(*_, **__):
+        return None
+
+    scoped = dict(
+        allocations=pipeline(ignore, ignore).get_allocations(*[lhs_gmem] * wgs, dout_gmem),
+        out_smem=plgpu.SMEM((wgs, bk, ALIGN), out_gmem.dtype))
+    if interpret:  # ``transposed``'s scratch, one per compute warpgroup
+        scoped["scratch"] = plgpu.SMEM((wgs, bk, bm), lhs_gmem.dtype)
+    pl.run_scoped(lambda **refs: scope(**refs), collective_axes="wg", **scoped)
+
+
 # ---------------------------------------------------------------------------
 # Entry points
 # ---------------------------------------------------------------------------
@@ -614,6 +714,9 @@ def tgmm(lhs, dout, group_sizes, *, out_dtype=None, tiles: MosaicTiles | None = 
     (m, k), (_, n), g = lhs.shape, dout.shape, group_sizes.shape[0]
     tiles = resolve_tiles(tiles, m, k, n, g, lhs.dtype, out_dtype)
     info = group_row_blocks(group_sizes, m, tiles.tgmm_block_m)
-    body = functools.partial(_tgmm_body, tiles=tiles, interpret=bool(interpret))
+    wgs = tiles.tgmm_compute_wgs
+    body = functools.partial(_tgmm_body if wgs == 1 else _tgmm_ws_body, tiles=tiles,
+                             interpret=bool(interpret))
     out_type = jax.ShapeDtypeStruct((g, k, n), out_dtype)
-    return launch(body, out_type, interpret)(info, lhs, dout)
+    warpgroups = 1 if wgs == 1 else wgs + 1  # + the copy warpgroup
+    return launch(body, out_type, interpret, warpgroups=warpgroups)(info, lhs, dout)

@@ -203,6 +203,26 @@ def test_warp_specialized_gmm_and_gmm_t(n, sizes):
         assert not mgpu.races_found()
 
 
+@pytest.mark.parametrize("wgs,n,sizes", [(2, 256, [63, 2, 0, 71]), (2, 128, [0, 200, 0, 0]),
+                                         (2, 256, [1, 65, 0, 70]), (1, 256, [1, 65, 0, 70])])
+def test_warp_specialized_tgmm(wgs, n, sizes):
+    """tgmm_compute_wgs=2: a copy warpgroup and two compute warpgroups, each computing
+    one 64-column half of a [64, 128] output tile (N = 256: two such tiles per K tile),
+    against a float64 NumPy loop; empty groups give zeros. The rows past the sum hold
+    NaN in both operands: each warpgroup's masks (of its own lhs copy and dout columns)
+    keep them out, as one warpgroup's do."""
+    tiles = dataclasses.replace(TILES, tgmm_compute_wgs=wgs, tgmm_band_n=1)
+    m, k, total = 200, 128, sum(sizes)
+    lhs, dout = _inputs(n + sizes[0], m, k, n, len(sizes), jnp.bfloat16, rhs_rows=m)
+    lhs, dout = (a.at[total:].set(jnp.nan) for a in (lhs, dout))
+    out = mg.tgmm(lhs, dout, jnp.asarray(sizes, jnp.int32), out_dtype=jnp.float32,
+                  tiles=tiles, interpret=MOSAIC_INTERPRET)
+    assert out.shape == (len(sizes), k, n)
+    _assert_close(jax.block_until_ready(out), _tgmm_numpy(lhs, dout, sizes), jnp.bfloat16)
+    assert not np.any(np.asarray(out)[np.asarray(sizes) == 0])
+    assert not mgpu.races_found()
+
+
 @pytest.mark.cpu_backend
 def test_race_detector_is_live():
     """The no-race assertions above mean something: reading SMEM before the TMA
@@ -307,6 +327,14 @@ def test_tiles_are_fitted_to_the_shape():
     assert ws.fit(512, 512, bf16, f32).max_concurrent_steps == 3
     assert ws.fit(512, 512, bf16, bf16).max_concurrent_steps == 4
     assert ws.smem_bytes(2, 4, tgmm=False) == 4 * 48 * 1024 + 64 * 1024 + 1024
+    # tgmm warp-specialized: two copies of the [64, 128] lhs tile and a [64, 256] dout
+    # tile (64 KiB a step) beside two [128, 64] store buffers (64 KiB in float32, 32 in
+    # bf16): 2 steps fit in 227 KiB for a float32 output, 3 for bf16
+    ws_t = mg.MosaicTiles(tgmm_compute_wgs=2)
+    assert ws_t.smem_bytes(2, 4, tgmm=True) == 3 * 64 * 1024 + 64 * 1024 + 1024
+    assert ws_t.fit(512, 384, bf16, f32).tgmm_compute_wgs == 1
+    assert ws_t.fit(512, 512, bf16, f32).tgmm_max_concurrent_steps == 2
+    assert ws_t.fit(512, 512, bf16, bf16).tgmm_max_concurrent_steps == 3
     with pytest.raises(TypeError, match="MosaicTiles"):
         mg.gmm(jnp.zeros((64, 64), bf16), jnp.zeros((2, 64, 64), bf16),
                jnp.asarray([32, 32], jnp.int32), out_dtype=f32, tiles={"block_m": 64},
@@ -332,6 +360,8 @@ def test_tiles_validation_and_heuristic():
         assert 1 <= t.max_concurrent_steps <= max(1, k // t.block_k)
     with pytest.raises(ValueError, match="compute_wgs must be 1 or 2"):
         mg.MosaicTiles(compute_wgs=3)
+    with pytest.raises(ValueError, match="tgmm_compute_wgs must be 1 or 2"):
+        mg.MosaicTiles(tgmm_compute_wgs=4)
     assert mg.MosaicTiles.for_shape(4096, 512, 512, 64).block_m == 64  # small groups
     # Mixtral's up projection: 4 steps of [128, 64] x [64, 256] (48 KiB each) and two
     # [128, 64] float32 store buffers exceed 227 KiB, 3 steps do not
@@ -378,7 +408,7 @@ def test_lowers_for_cuda(op, m, k, n, g, in_dtype, out_dtype):
 @pytest.mark.parametrize("tiles,n", [
     (mg.MosaicTiles(max_concurrent_steps=1, tgmm_max_concurrent_steps=1), 128),
     (mg.MosaicTiles(band_n=2, tgmm_band_n=2, block_n=64, tgmm_block_n=64), 192),
-    (mg.MosaicTiles(compute_wgs=2, band_n=2), 768)])
+    (mg.MosaicTiles(compute_wgs=2, band_n=2, tgmm_compute_wgs=2, tgmm_band_n=2), 768)])
 def test_lowers_with_single_stage_pipeline_or_bands(tiles, n):
     """gmm, tgmm and gmm_t with max_concurrent_steps=1 (no delayed release, each wgmma
     waited for), with three column tiles in bands of 2 (a full band and a narrower
@@ -413,7 +443,8 @@ def test_compiled_on_hopper(in_dtype):
                                preferred_element_type=jnp.float32)
     banded = dataclasses.replace(mg.MosaicTiles.for_shape(m, k, n, len(sizes)), band_n=2,
                                  tgmm_band_n=2)
-    ws = mg.MosaicTiles(block_n=64, compute_wgs=2, band_n=2)  # 3 tiles of 128 columns
+    ws = mg.MosaicTiles(block_n=64, compute_wgs=2, band_n=2, tgmm_block_n=64,
+                        tgmm_compute_wgs=2, tgmm_band_n=2)  # 3 tiles of 128 columns
     for tiles in (None, banded, ws):
         out = mg.gmm(lhs, rhs, gs, out_dtype=jnp.float32, tiles=tiles)
         _assert_close(out, ref, jnp.float32)
