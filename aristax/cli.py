@@ -22,6 +22,7 @@ from pathlib import Path
 
 import yaml
 
+from aristax.host_memory import retain_freed_memory
 from aristax.models import cli as models_cli
 from aristax.planner import cli as planner_cli
 from aristax.train import cli as train_cli
@@ -157,9 +158,13 @@ def silence_background_errors() -> Callable[[], None]:
 
 def entry() -> None:
     """The ``aristax`` program: ``main``, with background threads kept quiet through
-    the interpreter's exit as well (unless debugging), then exit with its status."""
+    the interpreter's exit as well (unless debugging), then exit with its status. Its
+    malloc keeps freed memory for reuse (``host_memory``; ARISTAX_RETAIN_FREED_MEMORY=0
+    leaves glibc's default)."""
     if not debugging("--debug" in sys.argv[1:2]):
         silence_background_errors()
+    if os.environ.get("ARISTAX_RETAIN_FREED_MEMORY", "1").lower() not in ("0", "false"):
+        retain_freed_memory()
     sys.exit(main())
 
 
