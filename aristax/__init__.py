@@ -1,7 +1,6 @@
 """aristax: Mixture-of-Experts layers, kernels, expert parallelism and planning for JAX."""
 
 from aristax.config import MoEConfig, RouterConfig
-from aristax.host_memory import retain_freed_memory
 from aristax.layers import MoE, moe_linen
 from aristax.moe import MoEParams, moe
 from aristax.routing import Routing, route
@@ -19,6 +18,5 @@ __all__ = [
     "Routing",
     "moe",
     "moe_linen",
-    "retain_freed_memory",
     "route",
 ]

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import yaml
 
-from aristax.host_memory import retain_freed_memory
 from aristax.models import cli as models_cli
 from aristax.planner import cli as planner_cli
 from aristax.train import cli as train_cli
@@ -158,13 +157,9 @@ def silence_background_errors() -> Callable[[], None]:
 
 def entry() -> None:
     """The ``aristax`` program: ``main``, with background threads kept quiet through
-    the interpreter's exit as well (unless debugging), then exit with its status. Its
-    malloc keeps freed memory for reuse (``host_memory``; ARISTAX_RETAIN_FREED_MEMORY=0
-    leaves glibc's default)."""
+    the interpreter's exit as well (unless debugging), then exit with its status."""
     if not debugging("--debug" in sys.argv[1:2]):
         silence_background_errors()
-    if os.environ.get("ARISTAX_RETAIN_FREED_MEMORY", "1").lower() not in ("0", "false"):
-        retain_freed_memory()
     sys.exit(main())
 
 

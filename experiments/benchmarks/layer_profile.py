@@ -276,12 +276,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
     parser.add_argument("--unfused", action="store_true", help="profile the unfused layer too")
     parser.add_argument("--out", default=None)
-    moe_layer.add_malloc_flag(parser)
     args = parser.parse_args()
     out = Path(args.out or Path(__file__).resolve().parent / "results"
                / f"layer_profile_{jax.default_backend()}.json")
-    result = {"machine": moe_layer.machine(), "dtype": "float32",
-              "host_memory": moe_layer.host_memory(args), "rows": []}
+    result = {"machine": moe_layer.machine(), "dtype": "float32", "rows": []}
     for shape in args.shapes.split(";"):
         T, D, F, E, K = (int(v) for v in shape.split(","))
         print(f"T{T} D{D} F{F} E{E} K{K} uniform")

@@ -26,11 +26,6 @@ is ``MoE.from_hf`` of that block with random weights, HF's contenders are that b
 (Llama 4's experts have no "grouped_mm"), and there is no GShard row; results go to
 ``results/moe_layer_<block>_<platform>.json``.
 
-Every contender runs in one process whose malloc retains freed memory, as the
-``aristax`` command's does (``aristax.retain_freed_memory``; ``--malloc-default``
-leaves glibc's default, under which XLA:CPU's large temporaries are page-faulted in
-again at every call); the JSON's ``host_memory`` says which.
-
 Loads: "uniform" (a random router), "zipf" (a constant input feature whose router
 weights are log Zipf(1.2) shares in random order, so a few experts take most tokens).
 Default shapes are the issue's: (4096, 512, 1024, 8, 2), (4096, 512, 256, 32, 4),
@@ -38,8 +33,7 @@ Default shapes are the issue's: (4096, 512, 1024, 8, 2), (4096, 512, 256, 32, 4)
 script, with the machine.
 
 Usage: python experiments/benchmarks/moe_layer.py [--shapes T,D,F,E,K;...]
-       [--loads uniform,zipf] [--rounds 5] [--no-hf] [--block mixtral] [--malloc-default]
-       [--out OUT.json]
+       [--loads uniform,zipf] [--rounds 5] [--no-hf] [--block mixtral] [--out OUT.json]
 """
 
 from __future__ import annotations
@@ -58,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from aristax import MoE, MoEConfig, retain_freed_memory
+from aristax import MoE, MoEConfig
 from aristax.pallas_kernels.moe_mlp import api as moe_mlp_api
 
 SHAPES = "4096,512,1024,8,2;4096,512,256,32,4;4096,512,128,64,8"
@@ -70,20 +64,6 @@ def machine() -> dict:
             "cpu_count": os.cpu_count(), "python": platform.python_version(),
             "jax": jax.__version__, "backend": jax.default_backend(),
             "devices": [str(getattr(d, "device_kind", d)) for d in jax.devices()]}
-
-
-def add_malloc_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--malloc-default", action="store_true",
-                        help="leave glibc's malloc as it is (default: retain freed memory, "
-                             "as the aristax command does; aristax.host_memory)")
-
-
-def host_memory(args) -> str:
-    """Apply ``--malloc-default``'s choice to this process (every contender runs in it)
-    and name it for the JSON."""
-    if not args.malloc_default and retain_freed_memory():
-        return "retained (aristax.retain_freed_memory)"
-    return "glibc default"
 
 
 def weights(T, D, F, E, load: str, seed: int = 0) -> dict[str, np.ndarray]:
@@ -317,14 +297,12 @@ def main() -> None:
     parser.add_argument("--block", default="mixtral", choices=BLOCKS,
                         help="the HF block computed (and its peers)")
     parser.add_argument("--out", default=None)
-    add_malloc_flag(parser)
     args = parser.parse_args()
     name = "moe_layer" if args.block == "mixtral" else f"moe_layer_{args.block}"
     out = Path(args.out or Path(__file__).resolve().parent / "results"
                / f"{name}_{jax.default_backend()}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"machine": machine(), "dtype": "float32",
-              "host_memory": host_memory(args), "rows": []}
+    result = {"machine": machine(), "dtype": "float32", "rows": []}
     for shape in args.shapes.split(";"):
         T, D, F, E, K = (int(v) for v in shape.split(","))
         for load in args.loads.split(","):
