@@ -556,6 +556,31 @@ def _tgmm_body(info_gmem, lhs_gmem, dout_gmem, out_gmem, *, tiles: MosaicTiles,
         pl.run_scoped(store, plgpu.SMEM((bk, bn), out_gmem.dtype))
 
 
+def _tgmm_ws_step(idx, *refs, rows, wg, scratch, tiles: MosaicTiles):
+    """One row block of ``_tgmm_ws_body``'s pipeline on compute warpgroup ``wg``: refs
+    are the lhs copies (one per warpgroup), the dout tile [bm, wgs * bn] and the
+    accumulator; ``rows`` = (the group's first row block, start, end)."""
+    *lhs_copies, dout_smem, acc_ref = refs
+    first, start, end = rows
+    bm, bn = tiles.tgmm_block_m, tiles.tgmm_block_n
+    row0 = (first + idx[0]) * bm
+    for w, lhs in enumerate(lhs_copies):  # static refs per warpgroup
+        dout = dout_smem.at[:, pl.ds(w * bn, bn)]
+
+        @pl.when((wg == w) & ((row0 < start) | (row0 + bm > end)))
+        def _():
+            _mask_rows(lhs, row0, start, end)
+            _mask_rows(dout, row0, start, end)
+            plgpu.commit_smem()
+
+        @pl.when(wg == w)
+        def _():
+            plgpu.wgmma(acc_ref, transposed(lhs, None if scratch is None else scratch.at[w]),
+                        dout)
+    plgpu.wgmma_wait(0)  # the pipeline frees the step's buffers on return
+    return acc_ref
+
+
 def _tgmm_ws_body(info_gmem, lhs_gmem, dout_gmem, out_gmem, *, tiles: MosaicTiles,
                   interpret):
     """``_tgmm_body`` warp-specialized (``tiles.tgmm_compute_wgs`` > 1): per program one
@@ -603,27 +628,10 @@ def _tgmm_ws_body(info_gmem, lhs_gmem, dout_gmem, out_gmem, *, tiles: MosaicTile
 
                 pl.run_scoped(acc_scope, plgpu.ACC((bk, bn), jnp.float32))
 
-            def step(idx, *refs):
-                *lhs_copies, dout_smem, acc_ref = refs
-                row0 = (first + idx[0]) * bm
-                for w in range(wgs):  # static refs per warpgroup
-                    lhs, dout = lhs_copies[w], dout_smem.at[:, pl.ds(w * bn, bn)]
-
-                    @pl.when((wg == w) & ((row0 < start) | (row0 + bm > end)))
-                    def _():
-                        _mask_rows(lhs, row0, start, end)
-                        _mask_rows(dout, row0, start, end)
-                        plgpu.commit_smem()
-
-                    @pl.when(wg == w)
-                    def _():
-                        plgpu.wgmma(acc_ref, transposed(
-                            lhs, None if scratch is None else scratch.at[w]), dout)
-                plgpu.wgmma_wait(0)  # the pipeline frees the step's buffers on return
-                return acc_ref
-
             @pl.when(blocks > 0)
             def _():
+                step = functools.partial(_tgmm_ws_step, rows=(first, start, end), wg=wg,
+                                         scratch=scratch, tiles=tiles)
                 # emit_pipeline takes min(Python int, steps): the default int dtype
                 grid = blocks.astype(jax.dtypes.canonicalize_dtype(jnp.int64))
                 pipeline(step, context, first, ki, ni, grid)(
