@@ -63,7 +63,9 @@ def machine() -> dict:
     return {"platform": platform.platform(), "processor": platform.processor(),
             "cpu_count": os.cpu_count(), "python": platform.python_version(),
             "jax": jax.__version__, "backend": jax.default_backend(),
-            "devices": [str(getattr(d, "device_kind", d)) for d in jax.devices()]}
+            "devices": [str(getattr(d, "device_kind", d)) for d in jax.devices()],
+            # malloc settings change every contender's time (README, Benchmarks)
+            "glibc_tunables": os.environ.get("GLIBC_TUNABLES")}
 
 
 def weights(T, D, F, E, load: str, seed: int = 0) -> dict[str, np.ndarray]:
