@@ -469,14 +469,23 @@ def _gmm_ws_body(sched_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: MosaicTiles
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+    _run_ws_scope(scope, pipeline, (lhs_gmem, rhs_gmem.at[0]), (wgs, bm, ALIGN), out_gmem.dtype,
+                  ((wgs, bk, bn), rhs_gmem.dtype) if rhs_transposed and interpret else None)
+
+
+def _run_ws_scope(scope, pipeline, operands, store_shape, store_dtype, scratch) -> None:
+    """``scope(allocations=, out_smem=[, scratch=])`` on every warpgroup: the
+    allocations of ``pipeline(step, context)`` for ``operands``, the compute
+    warpgroups' store buffers ``out_smem`` [wgs, rows, 64] and, where ``scratch`` =
+    (shape, dtype), ``transposed``'s scratch, one per compute warpgroup (interpret
+    mode)."""
     def ignore(*_, **__):
         return None
 
-    scoped = dict(
-        allocations=pipeline(ignore, ignore).get_allocations(lhs_gmem, rhs_gmem.at[0]),
-        out_smem=plgpu.SMEM((wgs, bm, ALIGN), out_gmem.dtype))
-    if rhs_transposed and interpret:  # ``transposed``'s scratch, one per compute warpgroup
-        scoped["scratch"] = plgpu.SMEM((wgs, bk, bn), rhs_gmem.dtype)
+    scoped = dict(allocations=pipeline(ignore, ignore).get_allocations(*operands),
+                  out_smem=plgpu.SMEM(store_shape, store_dtype))
+    if scratch is not None:
+        scoped["scratch"] = plgpu.SMEM(*scratch)
     pl.run_scoped(lambda **refs: scope(**refs), collective_axes="wg", **scoped)
 
 
@@ -643,15 +652,8 @@ def _tgmm_ws_body(info_gmem, lhs_gmem, dout_gmem, out_gmem, *, tiles: MosaicTile
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    def ignore(*_, **__):
-        return None
-
-    scoped = dict(
-        allocations=pipeline(ignore, ignore).get_allocations(*[lhs_gmem] * wgs, dout_gmem),
-        out_smem=plgpu.SMEM((wgs, bk, ALIGN), out_gmem.dtype))
-    if interpret:  # ``transposed``'s scratch, one per compute warpgroup
-        scoped["scratch"] = plgpu.SMEM((wgs, bk, bm), lhs_gmem.dtype)
-    pl.run_scoped(lambda **refs: scope(**refs), collective_axes="wg", **scoped)
+    _run_ws_scope(scope, pipeline, (*[lhs_gmem] * wgs, dout_gmem), (wgs, bk, ALIGN),
+                  out_gmem.dtype, ((wgs, bk, bm), lhs_gmem.dtype) if interpret else None)
 
 
 # ---------------------------------------------------------------------------
