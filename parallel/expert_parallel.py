@@ -645,9 +645,8 @@ def _sharded_forward(x, router_in, params, bias, *, layout: ShardedLayout):
     params = MoEParams(**{name: _place(getattr(params, name), mesh, getattr(param_specs, name))
                           for name in PARAM_DIMS})
     if replicas is not None:  # the copies of an expert train as one
-        params = MoEParams(**{name: getattr(params, name) if name not in EXPERT_FIELDS
-                              or getattr(params, name) is None
-                              else tie_replicas(getattr(params, name), expert_perm)
-                              for name in PARAM_DIMS})
+        params = params.replace(**{name: tie_replicas(getattr(params, name), expert_perm)
+                                   for name in EXPERT_FIELDS
+                                   if getattr(params, name) is not None})
     return sharded(_place(x, mesh, tok), _place(router_in, mesh, tok), params,
                    _place(bias, mesh, P()))

@@ -64,7 +64,7 @@ def machine() -> dict:
             "cpu_count": os.cpu_count(), "python": platform.python_version(),
             "jax": jax.__version__, "backend": jax.default_backend(),
             "devices": [str(getattr(d, "device_kind", d)) for d in jax.devices()],
-            # malloc settings change every contender's time (README, Benchmarks)
+            # malloc settings change every contender's time (README, "What works today")
             "glibc_tunables": os.environ.get("GLIBC_TUNABLES")}
 
 
