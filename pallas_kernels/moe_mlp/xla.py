@@ -68,7 +68,9 @@ EXTRAS = reference.EXTRAS
 # 1.2x the rate of two [512, F] ones): on the 2-core Xeon VM a layer's forward +
 # backward (T 4096, 4 alternations) took 0.95x the time with it at F 128 (E 64) and
 # 0.97x at F 256 (E 32), but 1.01-1.03x at F 1024 (E 8), where the per-tile
-# concatenate of [512, 2F] costs more than the wider product saves.
+# concatenate of [512, 2F] costs more than the wider product saves. The dx rows then
+# come from one [s, 2F] @ [2F, D] product too (the expert's [D, 2F] sliced once per
+# group), with no [s, D] sum of two.
 JOINED_WGRAD_MAX_F = 256
 
 
@@ -249,16 +251,18 @@ def forward(x, sort_order, weights, group_sizes, num_valid, gate_edf, up_edf, do
 
 
 def _tile_grads(mlp: reference.ExpertMlp, x_rows, w, pre, dy_rows, mats, down, down_bias, *,
-                joined: bool):
+                joined_mats=None):
     """One tile's terms of ``backward`` from its x rows [s, D] (x's dtype), weights
     w [s, 1], saved pre-activations [s, F] each, dy rows [s, D] and its expert's mats,
-    down and down bias [D] (or None), in the accumulation dtype of dy_rows:
-    (dx rows [s, D], dweights [s], ddown [F, D], dmats (one [D, 2F] when ``joined``,
-    else one [D, F] per mat), dbias (one [F] per pre-activation, then [D])). With r
+    down and down bias [D] (or None), and ``joined_mats`` (its mats side by side,
+    [D, 2F], or None), in the accumulation dtype of dy_rows: (dx rows [s, D],
+    dweights [s], ddown [F, D], dmats (one [D, 2F] with ``joined_mats``, else one
+    [D, F] per mat), dbias (one [F] per pre-activation, then [D])). With r
     the expert's input rows (w * x rows with ``mlp.input_weights``) and w_o = w (1
     with input weights):
       gh = dy_rows @ down^T;  dh = w_o gh;  dpre = act'(pre) dh;  dr = sum_i dpre_i W_i^T
-      ddown = h^T (w_o dy_rows), dbd = sum(w_o dy_rows), dW_i = r^T dpre_i,
+      ddown = h^T (w_o dy_rows) (= (w_o h)^T dy_rows, the form taken where F < D),
+      dbd = sum(w_o dy_rows), dW_i = r^T dpre_i,
       db_i = sum(dpre_i); output weights: dw = <h, gh> + <dy_rows, bd>, dx rows = dr;
       input weights: dw = <dr, x rows>, dx rows = w dr.
     """
@@ -271,7 +275,11 @@ def _tile_grads(mlp: reference.ExpertMlp, x_rows, w, pre, dy_rows, mats, down, d
     dh = gh if mlp.input_weights else w * gh
     # h entered the down GEMM in the compute dtype
     d_pre = [d.astype(dtype) for d in act_vjp(dh.astype(dtype).astype(acc))]
-    drows = sum(_dot(d, m, (1, 1), acc) for d, m in zip(d_pre, mats))
+    if joined_mats is not None:  # one [s, 2F] @ [2F, D] product, no [s, D] sum
+        d_joined = jnp.concatenate(d_pre, axis=1)
+        drows = _dot(d_joined, joined_mats, (1, 1), acc)
+    else:
+        drows = sum(_dot(d, m, (1, 1), acc) for d, m in zip(d_pre, mats))
     if mlp.input_weights:
         drows = drows.astype(dtype).astype(acc)
         dw, drows = jnp.sum(drows * x_rows.astype(acc), axis=1), w * drows
@@ -279,12 +287,16 @@ def _tile_grads(mlp: reference.ExpertMlp, x_rows, w, pre, dy_rows, mats, down, d
         dw = jnp.sum(h.astype(acc) * gh, axis=1)
         if down_bias is not None:
             dw = dw + jnp.sum(dy_rows * down_bias, axis=1)
-    if joined:  # one [D, 2F] product: wider, faster on narrow F
-        dmats = (_dot(rows, jnp.concatenate(d_pre, axis=1), (0, 0), acc),)
+    if joined_mats is not None:  # one [D, 2F] product: wider, faster on narrow F
+        dmats = (_dot(rows, d_joined, (0, 0), acc),)
     else:
         dmats = tuple(_dot(rows, d, (0, 0), acc) for d in d_pre)
     dbias = [jnp.sum(d.astype(acc), axis=0) for d in d_pre] + [jnp.sum(dout, axis=0)]
-    return drows, dw, _dot(h, dout.astype(dtype), (0, 0), acc), dmats, dbias
+    if mlp.input_weights or h.shape[1] >= dy_rows.shape[1]:
+        ddown = _dot(h, dout.astype(dtype), (0, 0), acc)
+    else:  # h^T (w dy) = (w h)^T dy: the row weights scale the narrower [s, F]
+        ddown = _dot((w * h.astype(acc)).astype(dtype), dy_rows.astype(dtype), (0, 0), acc)
+    return drows, dw, ddown, dmats, dbias
 
 
 def backward(residuals, saved, dy, *, mlp, tiles=None, interpret: bool = False):
@@ -321,6 +333,7 @@ def backward(residuals, saved, dy, *, mlp, tiles=None, interpret: bool = False):
                 dx, dw, ddown, dmats, dbias = grads
                 g = sched.order[i]
                 mats_g, down_g = tuple(_at(m, g) for m in mats), _at(down, g)
+                joined_g = jnp.concatenate(mats_g, axis=1) if joined else None
                 down_bias_g = _biases_at(bias_in[-1:], g, acc)[0]
 
                 def tile(lo, size, carry):
@@ -331,7 +344,7 @@ def backward(residuals, saved, dy, *, mlp, tiles=None, interpret: bool = False):
                         jnp.take(w_flat, ids, mode="fill", fill_value=0)[:, None],
                         tuple(lax.dynamic_slice_in_dim(s, lo, size) for s in saved),
                         jnp.take(dy, tok, axis=0, mode="fill", fill_value=0),
-                        mats_g, down_g, down_bias_g, joined=joined)
+                        mats_g, down_g, down_bias_g, joined_mats=joined_g)
                     return (dx.at[tok].add(drows, mode="drop"),
                             dw.at[ids].set(dw_rows, mode="drop"), ddown_g + ddown_t,
                             _add(dmats_g, dmats_t), _add(dbias_g, dbias_t))

@@ -117,11 +117,12 @@ def value_and_grads(x, order, weights, sizes, nv, gate, up, down, dy, tiles):
 
 @pytest.mark.parametrize("joined", [True, False], ids=["joined-wgrad", "split-wgrad"])
 @pytest.mark.parametrize("tiles", [None, XlaTiles(32, 8)], ids=["default", "tiles32-16-8"])
-@pytest.mark.parametrize("shape", [(53, 24, 40, 6, 2), (29, 16, 24, 4, 4)],
-                         ids=["odd", "K=E"])
+@pytest.mark.parametrize("shape", [(53, 24, 40, 6, 2), (29, 16, 24, 4, 4), (31, 40, 16, 5, 3)],
+                         ids=["odd", "K=E", "F<D"])
 def test_equals_numpy_on_hard_routings(shape, tiles, joined, monkeypatch):
-    """Both forms of the backward's gate/up weight gradients (one [D, 2F] product per
-    tile up to ``JOINED_WGRAD_MAX_F``, two [D, F] ones above)."""
+    """Both forms of the backward's gate/up products (joined [2F]-wide ones per tile up
+    to ``JOINED_WGRAD_MAX_F``, two F-wide ones above), and both forms of down's
+    weight gradient (the row weights on dy's rows, or on h's where F < D)."""
     monkeypatch.setattr(xla, "JOINED_WGRAD_MAX_F", 1 << 20 if joined else 0)
     jax.clear_caches()  # traces of the other form
     T, D, F, E, K = shape
@@ -320,7 +321,8 @@ def test_extras_equal_numpy_and_the_reference_gradients(activation, biased, side
     expert biases, input-side weights) on the fused loop: y equals a NumPy loop over
     the routed rows, and y with the gradients of x, weights, every weight and bias
     equal autodiff of the unfused reference composition, on every hard routing."""
-    T, D, F, E, K = shape = (37, 12, 20, 5, 2)
+    # output-side weights scale h's rows in down's weight gradient where F < D
+    T, D, F, E, K = shape = (37, 12, 20, 5, 2) if side == "input" else (37, 20, 12, 5, 2)
     ops, dy, rng = extra_operands(shape, activation, biased, seed=len(activation))
     limit = 0.8  # small: the clamps bite on these values
     got_fn, want_fn = (extras_vjp(n, activation, side, limit) for n in ("xla", "reference"))
