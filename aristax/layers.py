@@ -301,13 +301,6 @@ class MoE(nnx.Module):
         if plan.num_experts != self.config.num_experts:
             raise ValueError(f"plan.num_experts={plan.num_experts} but MoEConfig.num_experts="
                              f"{self.config.num_experts}; plan for the model's E")
-        groups, group = len(plan.groups), len(plan.groups[0])
-        if (self.mesh.shape.get("data") != groups
-                or math.prod(self.mesh.shape.values()) != groups * group):
-            raise ValueError(
-                f"mesh {dict(self.mesh.shape)} is not the plan's: it has {groups} "
-                f"expert-parallel groups of {group} devices; build the mesh with "
-                "mesh_from_plan(plan, devices)")
         logical = self.logical_params()
         self.ep_options = ExpertParallelOptions(**expert_parallel_options(plan, self.mesh))
         expert_axis = self.ep_options.expert_axis

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -293,6 +294,9 @@ def expert_parallel_options(plan, mesh, *, platform: str | None = None) -> dict[
       plan: the ``aristax.planner.Plan`` the mesh was built from (``mesh_from_plan``).
       mesh: its mesh: ("data", "expert") or ("data", "node", "local").
       platform: "cpu", "gpu", ...; None: ``jax.default_backend()``.
+    Raises:
+      ValueError: the mesh is not the plan's (not ``len(plan.groups)`` rows of one
+        group's devices each).
     Returns:
       {"expert_perm": the plan's physical layout (None when it is the identity),
        "expert_axis": "expert" or ("node", "local"),
@@ -302,6 +306,11 @@ def expert_parallel_options(plan, mesh, *, platform: str | None = None) -> dict[
        "num_chunks": the Lancet partition count of the dispatch all-to-all
          (1 when the plan has none)}.
     """
+    groups, group = len(plan.groups), len(plan.groups[0])
+    if mesh.shape.get(DATA_AXIS) != groups or math.prod(mesh.shape.values()) != groups * group:
+        raise ValueError(
+            f"mesh {dict(mesh.shape)} is not the plan's: it has {groups} expert-parallel "
+            f"groups of {group} devices; build the mesh with mesh_from_plan(plan, devices)")
     expert_axis = expert_axes_of(mesh)
     perm = expert_permutation(plan, allow_replicas=True)
     identity = len(perm) == plan.num_experts and np.array_equal(perm, np.arange(len(perm)))
