@@ -5,6 +5,8 @@ Letters: D model dim, F expert hidden dim, E experts, Fs shared hidden dim.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
@@ -16,6 +18,7 @@ import flax.linen as nn
 import numpy as np
 from flax import nnx
 from flax.nnx import bridge
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from aristax import hf_moe
@@ -151,16 +154,30 @@ def _layout_error(stored, expected) -> ValueError:
         f"plan")
 
 
+# False inside ``layouts_checked``: traced calls leave out the run-time layout check.
+_CHECK_TRACED_LAYOUTS = contextvars.ContextVar("aristax_check_traced_layouts", default=True)
+
+
+def _host_value(a) -> np.ndarray:
+    """a on the host, also a global array other processes hold part of."""
+    if isinstance(a, jax.Array) and not a.is_fully_addressable:
+        return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+    return np.asarray(a)
+
+
 def check_layout(stored: jax.Array, expected: np.ndarray) -> None:
     """Raise ``_layout_error`` unless ``stored`` (an ``ExpertLayout`` value) equals
     ``expected``: now when it is concrete; under ``jit`` at run time, through a host
     callback that runs only when the values differ (under ``vmap``, where both branches
-    run, the callback compares again before raising)."""
+    run, the callback compares again before raising), unless inside
+    ``layouts_checked``."""
     if stored.shape[-1:] != expected.shape:
         raise _layout_error(stored, expected)
     if not isinstance(stored, jax.core.Tracer):
-        if not np.array_equal(np.asarray(stored), expected):
+        if not np.array_equal(_host_value(stored), expected):
             raise _layout_error(stored, expected)
+        return
+    if not _CHECK_TRACED_LAYOUTS.get():
         return
 
     def fail(values):
@@ -169,6 +186,25 @@ def check_layout(stored: jax.Array, expected: np.ndarray) -> None:
 
     jax.lax.cond(jnp.any(stored != expected), lambda v: jax.debug.callback(fail, v),
                  lambda v: None, stored)
+
+
+@contextlib.contextmanager
+def layouts_checked(module: nnx.Module):
+    """Check the stored expert layout of every ``MoE`` in ``module`` now (concretely,
+    ``_layout_error`` on a mismatch), then, inside the ``with``, trace calls without
+    the run-time check: a host callback, which keeps a compiled program out of JAX's
+    persistent compilation cache. For a loop whose steps cannot change the layouts
+    (an optimizer leaves ``ExpertLayout`` alone), e.g. ``aristax train``'s steps,
+    traced inside it. Programs traced inside it and called after it still skip the
+    check (JAX caches traces)."""
+    for _, layer in nnx.iter_modules(module):
+        if isinstance(layer, MoE):
+            check_layout(layer.expert_layout[...], layer.expected_layout())
+    token = _CHECK_TRACED_LAYOUTS.set(False)
+    try:
+        yield
+    finally:
+        _CHECK_TRACED_LAYOUTS.reset(token)
 
 
 # The RNG streams router jitter draws from, in order of preference.

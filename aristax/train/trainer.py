@@ -32,6 +32,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from omegaconf import OmegaConf
 
+from aristax.layers import layouts_checked
 from aristax.models.mixtral import Mixtral
 from aristax.parallel.measure import matmul_flops
 from aristax.train import data as data_lib
@@ -546,7 +547,10 @@ def _run(cfg: TrainConfig, log, preemption: Preemption) -> RunResult:
                         float(schedule(step - 1)))
 
     try:
-        losses, evals, step_s, stopped = _train_loop(run, writer, row_of, log, preemption)
+        # layouts checked once: the steps compile without the check's host callback,
+        # so JAX's persistent compilation cache (when set) keeps them
+        with layouts_checked(run.model):
+            losses, evals, step_s, stopped = _train_loop(run, writer, row_of, log, preemption)
         run.ckpt.wait()
     finally:
         writer.close()

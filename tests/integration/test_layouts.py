@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 from aristax import MoE, MoEConfig
+from aristax.layers import layouts_checked
 from aristax.parallel import layout_experts, mesh_from_plan
 from aristax.planner import ModelSpec, make_plan, uniform
 
@@ -38,16 +39,22 @@ def test_a_plan_state_loaded_without_the_plan_is_refused():
         single(X)
 
 
-@pytest.mark.parametrize("jitted", [False, True])
-def test_a_permuted_state_of_equal_shape_is_refused(jitted):
-    layer = MoE(CFG, rngs=nnx.Rngs(0))
+def permuted_state_layer() -> MoE:
+    """A one-device layer holding the state of one whose experts are stored rolled by
+    3 (what a checkpoint of that layout restores)."""
+    layer, other = MoE(CFG, rngs=nnx.Rngs(0)), MoE(CFG, rngs=nnx.Rngs(0))
     perm = np.roll(np.arange(8), 3)
-    other = MoE(CFG, rngs=nnx.Rngs(0))
     physical = layout_experts(other.params(), perm)
     for name in ("gate_edf", "up_edf", "down_efd"):
         getattr(other.experts, name).set_value(getattr(physical, name))
     other.expert_layout.set_value(np.asarray(perm, np.int32))
-    nnx.update(layer, nnx.state(other))  # what a checkpoint of that layout restores
+    nnx.update(layer, nnx.state(other))
+    return layer
+
+
+@pytest.mark.parametrize("jitted", [False, True])
+def test_a_permuted_state_of_equal_shape_is_refused(jitted):
+    layer = permuted_state_layer()
     call = nnx.jit(lambda m, x: m(x)) if jitted else (lambda m, x: m(x))
     with pytest.raises(Exception, match="layout"):
         jax.block_until_ready(call(layer, X))
@@ -100,6 +107,42 @@ def _abstract(tree):
     """Orbax restore targets: shapes, dtypes and shardings of ``tree``'s arrays."""
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                         tree)
+
+
+class Stack(nnx.Module):
+    """Two MoE layers in a model, as ``layouts_checked`` finds them."""
+
+    def __init__(self, first: MoE, second: MoE):
+        self.blocks = nnx.List([first, second])
+
+    def __call__(self, x):
+        return self.blocks[1](self.blocks[0](x)[0])[0]
+
+
+def test_layouts_checked_refuses_a_wrong_layout_up_front():
+    """The check moved out of the steps is made on entry, for every layer found."""
+    with pytest.raises(ValueError, match=r"layout.*load_logical_params"):
+        with layouts_checked(Stack(MoE(CFG, rngs=nnx.Rngs(1)), permuted_state_layer())):
+            pytest.fail("entered with a wrong layout")
+
+
+def test_steps_traced_in_layouts_checked_have_no_host_callback():
+    """The run-time check is a host callback, which keeps the step out of JAX's
+    persistent compilation cache; inside ``layouts_checked`` it is left out, and a step
+    traced after it has the check again. The outputs are the same."""
+    model = Stack(MoE(CFG, rngs=nnx.Rngs(1)), plan_layer(seed=2))
+
+    def text(model):
+        graphdef, state = nnx.split(model)
+        return jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)).lower(state, X).as_text()
+
+    checked = text(model)
+    with layouts_checked(model):
+        unchecked = text(model)
+        y = nnx.jit(lambda m, x: m(x))(model, X)
+    assert "callback" in checked and "callback" not in unchecked
+    assert "callback" in text(model)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(nnx.jit(lambda m, x: m(x))(model, X)))
 
 
 def test_orbax_between_a_plan_layout_and_one_device(tmp_path):
