@@ -34,8 +34,8 @@ from aristax.config import MoEConfig
 from aristax.moe import MoEParams, param_shapes
 
 # MoEConfig fields that say how aristax runs or trains a layer, not what a block computes
-# (``to_hf`` ignores them).
-_NOT_STRUCTURAL = ("bias_update_rate", "capacity_factor", "drop_policy", "router_jitter",
+# (``to_hf`` ignores them; ``MoE.from_hf`` takes them).
+NOT_STRUCTURAL = ("bias_update_rate", "capacity_factor", "drop_policy", "router_jitter",
                    "lb_loss_coef", "seq_aux_loss_coef", "z_loss_coef", "loss_convention",
                    "dtype", "param_dtype", "implementation", "debug_checks", "num_chunks",
                    "exchange")
@@ -448,7 +448,7 @@ def to_hf(config: MoEConfig, params: MoEParams, like, *,
     values, slots, sel_key = _plan(like)
     expected = _config(like, values, config.param_dtype)
     for field in dataclasses.fields(MoEConfig):
-        if field.name in _NOT_STRUCTURAL:
+        if field.name in NOT_STRUCTURAL:
             continue
         ours, theirs = getattr(config, field.name), getattr(expected, field.name)
         if ours != theirs:

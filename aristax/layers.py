@@ -310,13 +310,26 @@ class MoE(nnx.Module):
         ``aristax.models.hf_moe.from_hf`` for the blocks it reads): its config, its
         weights and its selection bias (``aristax.hf_moe``, also named
         ``aristax.models.hf_moe``). ``kwargs``: the constructor's (mesh, plan, axes,
-        deterministic); with a plan the weights are laid out for it.
+        deterministic; with a plan the weights are laid out for it), and the
+        ``MoEConfig`` fields that say how the layer runs or trains rather than what
+        the block computes (``hf_moe.NOT_STRUCTURAL``: implementation, num_chunks,
+        capacity_factor, the aux-loss coefficients, bias_update_rate, dtype, ...), e.g.
+        ``MoE.from_hf(block, rngs=rngs, implementation="xla", bias_update_rate=1e-3)``.
 
         Raises:
           NotImplementedError: naming what of the block aristax does not compute.
+          TypeError: a keyword that is neither (a field the block decides, such as
+            top_k, is named as such).
         """
         config, params = hf_moe.from_hf(block)
-        layer = cls(config, rngs=rngs, **kwargs)
+        options = {k: kwargs.pop(k) for k in list(kwargs) if k in hf_moe.NOT_STRUCTURAL}
+        structural = sorted(set(kwargs) & {f.name for f in dataclasses.fields(MoEConfig)})
+        if structural:
+            raise TypeError(
+                f"MoE.from_hf: {', '.join(structural)} is what the {type(block).__name__} "
+                f"computes, read from the block; only how the layer runs or trains may be "
+                f"set here: {', '.join(hf_moe.NOT_STRUCTURAL)}")
+        layer = cls(config.replace(**options), rngs=rngs, **kwargs)
         layer.load_logical_params(params)
         bias = hf_moe.selection_bias(block)
         if bias is not None:

@@ -137,6 +137,32 @@ def test_nnx_module_from_hf(name):
     assert rel_err(got, want.numpy()) < 1e-5
 
 
+def test_nnx_module_from_hf_takes_how_it_runs_and_trains():
+    """``MoE.from_hf`` had no way to set the options a block does not decide (the
+    bias update rate of DeepSeek-V3's selection bias, the implementation, chunks,
+    aux-loss coefficients): they are keywords now, and the layer still computes the
+    block; what the block decides (top_k) is refused, naming the fields that may be
+    set."""
+    block = moe_block("deepseek_v3", 4).float()
+    options = dict(implementation="xla", num_chunks=2, bias_update_rate=1e-3,
+                   z_loss_coef=0.01, lb_loss_coef=0.0)
+    layer = MoE.from_hf(block, rngs=nnx.Rngs(0), **options)
+    for field, value in options.items():
+        assert getattr(layer.config, field) == value, field
+    x = torch.randn(B, S, layer.config.d_model, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want, _ = block_run("deepseek_v3", block, x)
+    got, aux = layer(jnp.asarray(x.numpy()))
+    assert rel_err(got, want.numpy()) < 1e-5
+    bias = np.asarray(layer.router.balance_bias_e[...])
+    layer.update_balance_bias(aux["expert_load"])  # moves by the rate given
+    step = np.abs(np.asarray(layer.router.balance_bias_e[...]) - bias)
+    assert np.count_nonzero(step) > 0
+    np.testing.assert_allclose(step[step > 0], 1e-3, atol=1e-7)
+    with pytest.raises(TypeError, match=r"top_k is what the .* computes.*bias_update_rate"):
+        MoE.from_hf(block, rngs=nnx.Rngs(0), top_k=1)
+
+
 @pytest.mark.parametrize("name", sorted(LEFT_OUT))
 def test_left_out_blocks_are_refused_naming_the_feature(name):
     with pytest.raises(NotImplementedError, match=LEFT_OUT[name].replace("(", r"\(")
