@@ -18,6 +18,7 @@ from aristax.models.mixtral import (
     forward,
 )
 from aristax.models.qwen3_moe import Qwen3Moe, Qwen3MoeConfig, Qwen3MoeOutput
+from aristax.sharding import LOGICAL_DECODER_AXES, DecoderAxes
 
 # config.json's model_type -> the class that loads it
 MODELS: dict[str, type[DecoderLM]] = {"mixtral": Mixtral, "qwen3_moe": Qwen3Moe}
@@ -39,6 +40,7 @@ def from_pretrained(directory: str | os.PathLike, **kwargs) -> DecoderLM:
     return model_class(hf.read_config_json(directory)).from_pretrained(directory, **kwargs)
 
 
-__all__ = ["MODELS", "DecodeWeights", "DecoderLM", "DecoderOutput", "KVCache", "Mixtral",
-           "MixtralConfig", "MixtralOutput", "Qwen3Moe", "Qwen3MoeConfig", "Qwen3MoeOutput",
-           "forward", "from_pretrained", "generate", "hf_moe", "model_class"]
+__all__ = ["LOGICAL_DECODER_AXES", "MODELS", "DecodeWeights", "DecoderAxes", "DecoderLM",
+           "DecoderOutput", "KVCache", "Mixtral", "MixtralConfig", "MixtralOutput",
+           "Qwen3Moe", "Qwen3MoeConfig", "Qwen3MoeOutput", "forward", "from_pretrained",
+           "generate", "hf_moe", "model_class"]

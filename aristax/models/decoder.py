@@ -40,6 +40,7 @@ from aristax.config import RouterConfig
 from aristax.layers import jitter_stream
 from aristax.models import hf, sparse_moe
 from aristax.models.decoder_config import DecoderConfig
+from aristax.sharding import DecoderAxes
 
 
 def matmul_precision_context(config: DecoderConfig) -> contextlib.AbstractContextManager:
@@ -240,8 +241,12 @@ class DecoderOutput:
 
 
 # --------------------------------------------------------------------- modules
-def _normal(rngs: nnx.Rngs, shape, std: float, dtype) -> nnx.Param:
-    return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype) * std)
+def _normal(rngs: nnx.Rngs, shape, std: float, dtype, axes: DecoderAxes, name: str
+            ) -> nnx.Param:
+    """Parameter ``name`` (``DECODER_PARAM_DIMS``) drawn from N(0, std^2), annotated
+    with ``axes``."""
+    value = jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype) * std
+    return axes.param(name, value)
 
 
 def _project(x: jax.Array, w: nnx.Param, bias: nnx.Param | None) -> jax.Array:
@@ -251,10 +256,12 @@ def _project(x: jax.Array, w: nnx.Param, bias: nnx.Param | None) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm with weight_d [D] (initialised to ones)."""
+    """RMSNorm with weight_d [D] (initialised to ones; split as ``axes`` says of
+    ``name``, "norm_d" or "head_norm" in ``DECODER_PARAM_DIMS``)."""
 
-    def __init__(self, dim: int, eps: float, dtype):
-        self.weight_d = nnx.Param(jnp.ones((dim,), dtype))
+    def __init__(self, dim: int, eps: float, dtype, axes: DecoderAxes = DecoderAxes(),
+                 name: str = "norm_d"):
+        self.weight_d = axes.param(name, jnp.ones((dim,), dtype))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -266,22 +273,25 @@ class Attention(nnx.Module):
     (the transposes of HF's q/k/v/o_proj.weight). With ``config.attention_bias``
     also q_bias_n [H*Dh], k_bias_m, v_bias_m [G*Dh], o_bias_d [D] (HF's *_proj.bias,
     initialised to zeros); with ``config.qk_norm`` q_norm, k_norm (RMSNorm over Dh,
-    applied per head before rotary, as HF Qwen3's q_norm/k_norm)."""
+    applied per head before rotary, as HF Qwen3's q_norm/k_norm). Each weight is split
+    as ``axes`` says (``DECODER_PARAM_DIMS``)."""
 
-    def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs,
+                 axes: DecoderAxes = DecoderAxes()):
         c, dt = config, config.dtype
         D, H, G, Dh = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
         std = c.initializer_range
-        self.q_dn = _normal(rngs, (D, H * Dh), std, dt)
-        self.k_dm = _normal(rngs, (D, G * Dh), std, dt)
-        self.v_dm = _normal(rngs, (D, G * Dh), std, dt)
-        self.o_nd = _normal(rngs, (H * Dh, D), std, dt)
-        bias = (lambda n: nnx.Param(jnp.zeros((n,), dt))) if c.attention_bias else (
-            lambda n: None)
-        self.q_bias_n, self.k_bias_m = bias(H * Dh), bias(G * Dh)
-        self.v_bias_m, self.o_bias_d = bias(G * Dh), bias(D)
-        self.q_norm = RMSNorm(Dh, c.rms_norm_eps, dt) if c.qk_norm else None
-        self.k_norm = RMSNorm(Dh, c.rms_norm_eps, dt) if c.qk_norm else None
+        self.q_dn = _normal(rngs, (D, H * Dh), std, dt, axes, "q_dn")
+        self.k_dm = _normal(rngs, (D, G * Dh), std, dt, axes, "k_dm")
+        self.v_dm = _normal(rngs, (D, G * Dh), std, dt, axes, "v_dm")
+        self.o_nd = _normal(rngs, (H * Dh, D), std, dt, axes, "o_nd")
+        bias = (lambda n, name: axes.param(name, jnp.zeros((n,), dt))) if c.attention_bias \
+            else (lambda n, name: None)
+        self.q_bias_n, self.k_bias_m = bias(H * Dh, "q_bias_n"), bias(G * Dh, "k_bias_m")
+        self.v_bias_m, self.o_bias_d = bias(G * Dh, "v_bias_m"), bias(D, "o_bias_d")
+        norm = (lambda: RMSNorm(Dh, c.rms_norm_eps, dt, axes, "head_norm")) if c.qk_norm \
+            else (lambda: None)
+        self.q_norm, self.k_norm = norm(), norm()
         self.num_heads, self.num_kv_heads, self.head_dim = H, G, Dh
         self.sliding_window = c.sliding_window
 
@@ -324,12 +334,13 @@ class Attention(nnx.Module):
 
 class DenseMLP(nnx.Module):
     """down(silu(x gate) * (x up)) (HF ``Qwen3MoeMLP``): gate_df, up_df [D, F], down_fd
-    [F, D] (the transposes of HF's gate/up/down_proj.weight)."""
+    [F, D] (the transposes of HF's gate/up/down_proj.weight), split as ``axes`` says."""
 
-    def __init__(self, dim: int, hidden: int, std: float, dtype, *, rngs: nnx.Rngs):
-        self.gate_df = _normal(rngs, (dim, hidden), std, dtype)
-        self.up_df = _normal(rngs, (dim, hidden), std, dtype)
-        self.down_fd = _normal(rngs, (hidden, dim), std, dtype)
+    def __init__(self, dim: int, hidden: int, std: float, dtype, *, rngs: nnx.Rngs,
+                 axes: DecoderAxes = DecoderAxes()):
+        self.gate_df = _normal(rngs, (dim, hidden), std, dtype, axes, "gate_df")
+        self.up_df = _normal(rngs, (dim, hidden), std, dtype, axes, "up_df")
+        self.down_fd = _normal(rngs, (hidden, dim), std, dtype, axes, "down_fd")
 
     def __call__(self, x: jax.Array, weights: tuple[jax.Array, jax.Array] | None = None):
         """x [..., D] -> [..., D]; ``weights``: (gate_up [2F, D], down [D, F]) decode
@@ -360,18 +371,18 @@ class DecoderLayer(nnx.Module):
     """
 
     def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs, moe_config: MoEConfig,
-                 mesh=None, plan=None, sparse: bool = True):
+                 mesh=None, plan=None, sparse: bool = True, axes: DecoderAxes = DecoderAxes()):
         D, eps, dt = config.hidden_size, config.rms_norm_eps, config.dtype
-        self.input_norm = RMSNorm(D, eps, dt)
-        self.attn = Attention(config, rngs=rngs)
-        self.post_attention_norm = RMSNorm(D, eps, dt)
+        self.input_norm = RMSNorm(D, eps, dt, axes)
+        self.attn = Attention(config, rngs=rngs, axes=axes)
+        self.post_attention_norm = RMSNorm(D, eps, dt, axes)
         if sparse:
-            self.moe = MoE(moe_config, rngs=rngs, mesh=mesh, plan=plan)
+            self.moe = MoE(moe_config, rngs=rngs, mesh=mesh, plan=plan, axes=axes.moe())
             self.mlp = None
         else:
             self.moe = None
             self.mlp = DenseMLP(D, config.intermediate_size, config.initializer_range, dt,
-                                rngs=rngs)
+                                rngs=rngs, axes=axes)
         self.jitter_noise = config.moe_input_jitter if sparse else 0.0
         self.jitter_rngs = jitter_stream(rngs).fork() if self.jitter_noise > 0 else None
         self.deterministic = False
@@ -430,15 +441,27 @@ class DecoderLM(nnx.Module):
     capacity, shared experts: a Switch- or DeepSeek-style decoder); Hugging Face
     parity holds only for the default. ``mesh``/``plan`` go to every ``aristax.MoE``
     (expert parallelism).
+
+    Sharding: ``axes`` (``aristax.sharding.DecoderAxes``) names the axes each weight
+    dimension is split over (vocab, embed, heads, kv_heads, mlp, expert), written
+    into every parameter's sharding metadata, the MoE blocks' included
+    (``axes.moe()``), so the Flax recipe places the whole model:
+    ``nnx.get_partition_spec(nnx.state(model))``, then ``jax.device_put`` or
+    ``with_sharding_constraint`` (``nnx.logical_to_mesh_sharding`` under logical
+    rules). The default replicates all but the experts.
     """
 
     config_class: ClassVar[type[DecoderConfig]] = DecoderConfig
 
     def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs,
-                 moe_config: MoEConfig | None = None, mesh=None, plan=None):
+                 moe_config: MoEConfig | None = None, mesh=None, plan=None,
+                 axes: DecoderAxes = DecoderAxes()):
         if not isinstance(config, self.config_class):
             raise TypeError(f"{type(self).__name__} needs a {self.config_class.__name__}, "
                             f"got a {type(config).__name__}")
+        if not isinstance(axes, DecoderAxes):
+            raise TypeError(f"axes={axes!r}: give an aristax.sharding.DecoderAxes, e.g. "
+                            "DecoderAxes(embed='fsdp')")
         self.config = config
         V, D, dt = config.vocab_size, config.hidden_size, config.dtype
         moe_config = config.moe_config() if moe_config is None else moe_config
@@ -447,16 +470,16 @@ class DecoderLM(nnx.Module):
             raise ValueError(
                 f"moe_config has num_experts={moe_config.num_experts}, d_model="
                 f"{moe_config.d_model}; the model needs {E}, {D}")
-        self.embed_vd = _normal(rngs, (V, D), config.initializer_range, dt)
+        self.embed_vd = _normal(rngs, (V, D), config.initializer_range, dt, axes, "embed_vd")
         self.layers = nnx.List(
             [DecoderLayer(config, rngs=rngs, moe_config=moe_config, mesh=mesh, plan=plan,
-                          sparse=config.layer_is_sparse(i))
+                          sparse=config.layer_is_sparse(i), axes=axes)
              for i in range(config.num_hidden_layers)]
         )
-        self.norm = RMSNorm(D, config.rms_norm_eps, dt)
+        self.norm = RMSNorm(D, config.rms_norm_eps, dt, axes)
         self.lm_head_dv = (
             None if config.tie_word_embeddings
-            else _normal(rngs, (D, V), config.initializer_range, dt)
+            else _normal(rngs, (D, V), config.initializer_range, dt, axes, "lm_head_dv")
         )
 
     def head_dv(self) -> jax.Array:
@@ -553,11 +576,11 @@ class DecoderLM(nnx.Module):
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, *, dtype: str | None = None,
                         matmul_precision: str | None = DecoderConfig.matmul_precision,
-                        mesh=None, plan=None):
+                        mesh=None, plan=None, axes: DecoderAxes = DecoderAxes()):
         """Load a local Hugging Face checkpoint directory of this family (see
         ``aristax.models.hf.load_pretrained``)."""
         return hf.load_pretrained(cls, directory, dtype=dtype, matmul_precision=matmul_precision,
-                                  mesh=mesh, plan=plan)
+                                  mesh=mesh, plan=plan, axes=axes)
 
     def save_pretrained(self, directory: str | os.PathLike, *,
                         max_shard_bytes: int | None = None) -> None:

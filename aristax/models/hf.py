@@ -48,6 +48,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from aristax.models.decoder_config import DecoderConfig
+from aristax.sharding import DecoderAxes
 
 if TYPE_CHECKING:
     from aristax.models.decoder import DecoderLM
@@ -225,7 +226,7 @@ def read_config_json(directory: str | os.PathLike) -> dict:
 def load_pretrained(model_class: type[DecoderLM], directory: str | os.PathLike, *,
                     dtype: str | None = None,
                     matmul_precision: str | None = DecoderConfig.matmul_precision,
-                    mesh=None, plan=None) -> DecoderLM:
+                    mesh=None, plan=None, axes: DecoderAxes = DecoderAxes()) -> DecoderLM:
     """Read a Hugging Face directory into a ``model_class`` (in eval mode).
 
     Args:
@@ -238,6 +239,7 @@ def load_pretrained(model_class: type[DecoderLM], directory: str | os.PathLike, 
         products in full float32, as Hugging Face computes them).
       mesh, plan: as for ``Mixtral(...)``: expert parallelism over ``mesh``, the
         experts (logical in the checkpoint) stored in ``plan``'s physical order.
+      axes: the parameters' sharding metadata (``aristax.sharding.DecoderAxes``).
     Raises:
       CheckpointError: a tensor is missing or its shape differs; the message names
         the tensor, its expected and its found shape.
@@ -249,7 +251,7 @@ def load_pretrained(model_class: type[DecoderLM], directory: str | os.PathLike, 
     cfg = model_class.config_class.from_hf(read_config_json(directory), **overrides)
     layout = _layout(cfg)
     reader = _Reader(directory)
-    model = nnx.eval_shape(lambda: model_class(cfg, rngs=nnx.Rngs(0), mesh=mesh))
+    model = nnx.eval_shape(lambda: model_class(cfg, rngs=nnx.Rngs(0), mesh=mesh, axes=axes))
     V, D, dt = cfg.vocab_size, cfg.hidden_size, cfg.dtype
     E = cfg.num_routed_experts
 
