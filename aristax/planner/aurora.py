@@ -8,7 +8,7 @@ and Communication Scheduling" (the Aurora paper in ../shared/seeds):
 - :func:`schedule_all_to_all` - the transmission order of Thm 4.2's proof: pad the
   traffic matrix to equal row/column sums (Appx. A step 1), then split it into
   contention-free rounds (partial permutations) by a Birkhoff-von Neumann
-  decomposition with networkx's Hopcroft-Karp matchings; the makespan equals
+  decomposition with Hopcroft-Karp matchings (SciPy); the makespan equals
   :func:`lower_bound` for uniform bandwidth. ``max_rounds`` gives a bounded-rounds
   variant (non-preemptive, one round per colour of the traffic's bipartite graph).
 - :func:`assign_experts` - Thm 5.1: most-loaded expert on the fastest GPU.
@@ -37,7 +37,8 @@ import dataclasses
 import itertools
 from typing import Sequence
 
-import networkx as nx
+from scipy.sparse import csr_array
+from scipy.sparse.csgraph import maximum_bipartite_matching
 import numpy as np
 
 _REL_TOL = 1e-12
@@ -159,14 +160,11 @@ def pad_to_doubly_balanced(t: np.ndarray) -> np.ndarray:
 
 
 def _perfect_matching(support: np.ndarray) -> dict[int, int] | None:
-    n = support.shape[0]
-    g = nx.Graph()
-    g.add_nodes_from(range(2 * n))
-    ii, jj = np.nonzero(support)
-    g.add_edges_from(zip(ii.tolist(), (jj + n).tolist()))
-    m = nx.bipartite.hopcroft_karp_matching(g, top_nodes=range(n))
-    perm = {i: m[i] - n for i in range(n) if i in m}
-    return perm if len(perm) == n else None
+    """A perfect matching row -> column of the bipartite graph whose edges are the
+    True entries of the square ``support`` (Hopcroft-Karp, SciPy's sparse graph
+    routines), or None when it has none."""
+    cols = maximum_bipartite_matching(csr_array(support), perm_type="column")
+    return None if (cols < 0).any() else dict(enumerate(cols.tolist()))
 
 
 def _bvn_rounds(t: np.ndarray) -> list[Round]:
@@ -336,7 +334,7 @@ def bottleneck_matching(weights: np.ndarray) -> tuple[np.ndarray, float]:
     """Perfect matching of rows to columns minimising the largest weight.
 
     Binary search over the sorted distinct weights for the smallest threshold whose
-    edge subgraph has a perfect matching (networkx Hopcroft-Karp), Aurora section 6.2.
+    edge subgraph has a perfect matching (Hopcroft-Karp), Aurora section 6.2.
     Returns (col_of_row[n], bottleneck).
     """
     w = np.asarray(weights, dtype=np.float64)
