@@ -446,9 +446,10 @@ class DecoderLM(nnx.Module):
     dimension is split over (vocab, embed, heads, kv_heads, mlp, expert), written
     into every parameter's sharding metadata, the MoE blocks' included
     (``axes.moe()``), so the Flax recipe places the whole model:
-    ``nnx.get_partition_spec(nnx.state(model))``, then ``jax.device_put`` or
-    ``with_sharding_constraint`` (``nnx.logical_to_mesh_sharding`` under logical
-    rules). The default replicates all but the experts.
+    ``nnx.get_named_sharding(nnx.state(model, nnx.Param), mesh)`` (inside
+    ``nnx.logical_axis_rules`` for logical names), then ``jax.device_put``, or
+    ``with_sharding_constraint`` of ``nnx.get_partition_spec``. The default
+    replicates all but the experts.
     """
 
     config_class: ClassVar[type[DecoderConfig]] = DecoderConfig
