@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import flax.linen as nn
 import numpy as np
 from flax import nnx
+from flax.core import spmd as flax_spmd
 from flax.nnx import bridge
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -502,14 +503,18 @@ class MoE(nnx.Module):
                 expert_parallel_moe, mesh=mesh, expert_axis=expert_axes, token_axes=tokens,
                 num_chunks=max(1, min(chunks, local)), exchange=cfg.exchange))
         if mesh.size > 1 and not any(self.axes.on_mesh(r, names) for r in ("embed", "mlp")):
+            rules = flax_spmd.get_logical_axis_rules()
             warnings.warn(
                 f"aristax.MoE: the active mesh {dict(mesh.shape)} has no axis for "
-                f"axes.expert={self.axes.expert!r} (nor for embed/mlp), so every device "
-                f"holds all {cfg.num_experts} experts' weights and runs the single-device "
-                f"layer on its tokens. Split the experts over a mesh axis: "
-                f"MoE(..., axes=MoEAxes(expert='<axis>')), a logical axis rule "
-                f"('{self.axes.expert}', '<axis>'), or a mesh with an {EXPERT_AXIS!r} "
-                f"axis (aristax.parallel.mesh_from_plan)", UserWarning, stacklevel=3)
+                f"axes.expert={self.axes.expert!r} (nor for embed/mlp) under the logical "
+                f"axis rules in effect at this call ({list(rules) if rules else 'none'}), "
+                f"so every device runs the single-device layer on its tokens with all "
+                f"{cfg.num_experts} experts' weights (gathered if they were placed "
+                f"split). Split the experts over a mesh axis: MoE(..., axes=MoEAxes("
+                f"expert='<axis>')), a logical axis rule ('{self.axes.expert}', '<axis>') "
+                f"in effect where the layer is called or traced, or a mesh with an "
+                f"{EXPERT_AXIS!r} axis (aristax.parallel.mesh_from_plan)", UserWarning,
+                stacklevel=3)
         return functools.partial(one_device_layer, num_chunks=chunks)
 
     def plan_call_options(self, num_tokens: int) -> dict | None:

@@ -70,6 +70,9 @@ def _check_axes(axes, fields: Sequence[str], weights: dict[str, tuple]) -> None:
                 isinstance(n, str) and n for n in as_names(value)):
             raise ValueError(f"{kind}.{field}={value!r}: give None, an axis name or a "
                              "tuple of axis names")
+        if len(set(as_names(value))) != len(as_names(value)):
+            raise ValueError(f"{kind}.{field}={value!r} names an axis twice; name each "
+                             "axis once")
     for weight, dims in weights.items():
         roles = [r for r in dims if r is not None]
         used = [n for r in roles for n in as_names(getattr(axes, r))]

@@ -131,6 +131,19 @@ def test_rules_mapping_the_experts_nowhere_warn_with_the_fix():
         nnx.jit(lambda m, x: m(x))(layer, x)
 
 
+def test_logical_names_called_without_their_rules_warn_naming_the_rules():
+    """Logical names resolve through the rules in effect where the layer is traced: a
+    call outside ``nnx.logical_axis_rules`` runs without expert parallelism, and the
+    warning says which rules it saw."""
+    mesh = auto_mesh((4, 2), ("data", "model"))
+    layer = MoE(CFG, rngs=nnx.Rngs(0), axes=LOGICAL_AXES)
+    x = jax.random.normal(jax.random.key(4), (4, 2, 16))
+    with jax.set_mesh(mesh), pytest.warns(
+            UserWarning, match=r"rules in effect at this call \(none\).*where the layer is "
+                               r"called or traced"):
+        nnx.jit(lambda m, x: m(x))(layer, x)
+
+
 def test_a_two_node_plan_mesh_takes_the_flax_recipe():
     """On mesh_from_plan's ("data", "node", "local") mesh the plan's layer writes its
     expert axis into the metadata: the Flax recipe places the experts over
@@ -163,3 +176,5 @@ def test_axes_are_checked_at_construction():
     with pytest.raises(TypeError, match="MoEAxes"):
         MoE(CFG, rngs=nnx.Rngs(0), axes={"expert": "fsdp"})
     assert MoEAxes(expert=["node", "local"]).expert == ("node", "local")
+    with pytest.raises(ValueError, match=r"MoEAxes.embed=\('a', 'a'\) names an axis twice"):
+        MoEAxes(embed=("a", "a"))
