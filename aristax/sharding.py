@@ -13,7 +13,9 @@ The names are written into each parameter's sharding metadata (``sharded_param``
 through ``nnx.with_partitioning``, whose key has changed names across Flax versions),
 so ``nnx.get_partition_spec`` (under the user's rules, if any) gives the layer's
 specs; the layer resolves the same names on the active mesh (``MoEAxes.on_mesh``) to
-pick its expert-parallel axis.
+pick its expert-parallel axis. ``DecoderAxes`` does the same for every weight of the
+decoders of ``aristax.models`` (``DECODER_PARAM_DIMS``: vocab, embed, heads, kv_heads,
+mlp), passing its expert, embed, mlp and batch names on to their MoE blocks.
 """
 
 from __future__ import annotations

@@ -37,9 +37,9 @@ import dataclasses
 import itertools
 from typing import Sequence
 
+import numpy as np
 from scipy.sparse import csr_array
 from scipy.sparse.csgraph import maximum_bipartite_matching
-import numpy as np
 
 _REL_TOL = 1e-12
 
