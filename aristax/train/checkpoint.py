@@ -110,6 +110,22 @@ def _move_experts(tree, perm: Sequence[int] | None, *, inverse: bool):
     return jax.tree_util.tree_map_with_path(move, tree)
 
 
+def _check_logical_layouts(saved, step: int) -> None:
+    """Refuse a checkpoint whose MoE layers' ``expert_layout`` is not the identity:
+    ``save`` writes every layer in logical expert order, so another layout means
+    weights in another order (a checkpoint written by other code), which restoring as
+    logical would silently mismatch with their experts."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(saved):
+        if _key(path[-1]) == "expert_layout" and not np.array_equal(
+                leaf, np.arange(np.size(leaf))):
+            raise ValueError(
+                f"checkpoint step {step}: {tensor_name(path)} is "
+                f"{np.asarray(leaf).tolist()}, not the logical expert order "
+                f"{list(range(np.size(leaf)))} that aristax train writes: its expert weights "
+                "are stored in another order. Resave them in logical order "
+                "(MoE.logical_params() of the layer that wrote them) and resume from that")
+
+
 def _to_host(leaf):
     if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
         leaf = jax.random.key_data(leaf)
@@ -280,6 +296,7 @@ class Checkpointer:
             raise ValueError(f"checkpoint step {step}: {name} has shape {found}, the model "
                              f"expects {expected} ({len(mismatched)} tensors differ); resume "
                              "with the model config the run was written with")
+        _check_logical_layouts(out["state"], step)
         saved = _move_experts(out["state"], self.expert_perm, inverse=False)
         state = jax.tree.map(lambda s, t: place(_from_host(s, t), t), saved, template)
         return state, out["data"], out["meta"]

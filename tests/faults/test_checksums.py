@@ -76,3 +76,26 @@ def test_checksums_see_dtype_shape_and_values():
     assert checksum(a) == checksum(a.copy())
     assert len({checksum(a), checksum(a.reshape(2, 3)), checksum(a.astype(np.float64)),
                 checksum(np.where(a == 5, np.nextafter(a, np.float32(9)), a))}) == 4
+
+
+def test_experts_stored_in_another_order_are_refused(tmp_path):
+    """A checkpoint whose expert_layout is not the logical order (written by other
+    code, with valid checksums) would restore each expert's weights into another
+    expert's slot: it is refused, naming the layer."""
+    perm = [2, 3, 0, 1]
+    layer = lambda layout: {"expert_layout": np.asarray(layout, np.int32),  # noqa: E731
+                            "experts": {"up_edf": np.arange(24, dtype=np.float32
+                                                            ).reshape(4, 2, 3)}}
+    ckpt = Checkpointer(tmp_path, keep=2)
+    ckpt.save(1, {"model": {"moe": layer(range(4))}}, {"position": 1}, {"name": "t"})
+    ckpt.save(2, {"model": {"moe": layer(perm)}}, {"position": 2}, {"name": "t"})
+    ckpt.wait()
+    restoring = Checkpointer(tmp_path, keep=2, expert_perm=perm)
+    template = {"model": {"moe": layer(perm)}}
+    with pytest.raises(ValueError, match=r"step 2: model.moe.expert_layout is \[2, 3, 0, 1\]"
+                                         r", not the logical expert order"):
+        restoring.restore(template, lambda saved, template: saved, 2)
+    restored, _, _ = restoring.restore(template, lambda saved, template: saved, 1)
+    assert restored["model"]["moe"]["expert_layout"].tolist() == perm
+    ckpt.close()
+    restoring.close()
