@@ -295,8 +295,8 @@ def expert_parallel_options(plan, mesh, *, platform: str | None = None) -> dict[
       mesh: its mesh: ("data", "expert") or ("data", "node", "local").
       platform: "cpu", "gpu", ...; None: ``jax.default_backend()``.
     Raises:
-      ValueError: the mesh is not the plan's (not ``len(plan.groups)`` rows of one
-        group's devices each).
+      ValueError: the mesh is not the plan's (no expert axis, or not a "data" axis of
+        ``len(plan.groups)`` groups and expert axes of one group's devices).
     Returns:
       {"expert_perm": the plan's physical layout (None when it is the identity),
        "expert_axis": "expert" or ("node", "local"),
@@ -307,11 +307,14 @@ def expert_parallel_options(plan, mesh, *, platform: str | None = None) -> dict[
          (1 when the plan has none)}.
     """
     groups, group = len(plan.groups), len(plan.groups[0])
-    if mesh.shape.get(DATA_AXIS) != groups or math.prod(mesh.shape.values()) != groups * group:
+    expert_axis = expert_axes_of(mesh)
+    expert_size = math.prod(mesh.shape[a] for a in _expert_axes(expert_axis))
+    if (mesh.shape.get(DATA_AXIS) != groups or expert_size != group
+            or math.prod(mesh.shape.values()) != groups * group):
         raise ValueError(
             f"mesh {dict(mesh.shape)} is not the plan's: it has {groups} expert-parallel "
-            f"groups of {group} devices; build the mesh with mesh_from_plan(plan, devices)")
-    expert_axis = expert_axes_of(mesh)
+            f"groups of {group} devices (a {DATA_AXIS!r} axis of {groups} and expert axes of "
+            f"{group} devices in all); build the mesh with mesh_from_plan(plan, devices)")
     perm = expert_permutation(plan, allow_replicas=True)
     identity = len(perm) == plan.num_experts and np.array_equal(perm, np.arange(len(perm)))
     chunks = (overlap.num_chunks_from_plan(plan) if "dispatch" in getattr(plan, "op_names", ())

@@ -136,14 +136,17 @@ def test_moe_refuses_a_mesh_not_built_from_its_plan():
         MoE(cfg, rngs=nnx.Rngs(0), mesh=jax.make_mesh((4, 2), ("data", "expert")), plan=plan)
 
 
-@pytest.mark.parametrize("shape", [(4, 2), (2, 2), (1, 8)])
+@pytest.mark.parametrize("shape", [(4, 2), (2, 2), (1, 8), (2, 2, 2)])
 def test_expert_parallel_options_refuses_a_mesh_not_built_from_its_plan(shape):
     """The functional API's front door to a plan took any mesh: a (4, 2) or (1, 8) mesh
-    for 2 groups of 4 split the experts as the plan did not."""
+    for 2 groups of 4 split the experts as the plan did not, and so did a (2, 2, 2)
+    mesh with a third axis beside ("data", "expert"), of the plan's 2 groups and 8
+    devices but groups of 2."""
     plan = make_plan(uniform(8, expert_capacity=2), ModelSpec(num_experts=8, top_k=2))
-    mesh = jax.make_mesh(shape, ("data", "expert"), devices=jax.devices()[:math.prod(shape)])
+    names = ("data", "expert", "tensor")[:len(shape)]
+    mesh = jax.make_mesh(shape, names, devices=jax.devices()[:math.prod(shape)])
     with pytest.raises(ValueError, match=rf"mesh \{{'data': {shape[0]}, 'expert': {shape[1]}"
-                                         r"\} is not the plan's.*mesh_from_plan"):
+                                         r".*\} is not the plan's.*mesh_from_plan"):
         expert_parallel_options(plan, mesh)
     assert expert_parallel_options(plan, mesh_from_plan(plan))["expert_axis"] == "expert"
 
