@@ -241,6 +241,10 @@ def _jitter_key(rngs: nnx.Rngs | nnx.RngStream | jax.Array | None) -> jax.Array:
     return rngs
 
 
+# The constructor's keywords that ``MoE.from_hf`` passes on (besides ``rngs``).
+FROM_HF_MODULE_OPTIONS = ("mesh", "plan", "deterministic", "axes")
+
+
 class MoE(nnx.Module):
     """A Mixture-of-Experts layer: ``y, aux = moe(x)`` for x[..., D].
 
@@ -325,11 +329,14 @@ class MoE(nnx.Module):
         config, params = hf_moe.from_hf(block)
         options = {k: kwargs.pop(k) for k in list(kwargs) if k in hf_moe.NOT_STRUCTURAL}
         structural = sorted(set(kwargs) & {f.name for f in dataclasses.fields(MoEConfig)})
-        if structural:
+        unknown = sorted(set(kwargs) - set(structural) - set(FROM_HF_MODULE_OPTIONS))
+        if structural or unknown:
+            said = (f"{', '.join(structural)}: what the {type(block).__name__} computes, "
+                    "read from the block" if structural else f"{', '.join(unknown)}: unknown")
             raise TypeError(
-                f"MoE.from_hf: {', '.join(structural)} is what the {type(block).__name__} "
-                f"computes, read from the block; only how the layer runs or trains may be "
-                f"set here: {', '.join(hf_moe.NOT_STRUCTURAL)}")
+                f"MoE.from_hf got {said}; it takes the MoE constructor's "
+                f"{', '.join(FROM_HF_MODULE_OPTIONS)} and how the layer runs or trains: "
+                f"{', '.join(hf_moe.NOT_STRUCTURAL)}")
         layer = cls(config.replace(**options), rngs=rngs, **kwargs)
         layer.load_logical_params(params)
         bias = hf_moe.selection_bias(block)

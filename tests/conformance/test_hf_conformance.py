@@ -11,6 +11,7 @@ The blocks aristax does not compute are refused with the reason (``LEFT_OUT``).
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import jax
@@ -24,6 +25,7 @@ pytest.importorskip("transformers")
 from flax import nnx  # noqa: E402
 
 from aristax import MoE, moe  # noqa: E402
+from aristax.layers import FROM_HF_MODULE_OPTIONS  # noqa: E402
 from aristax.models import hf_moe  # noqa: E402
 from tests.conformance.hf_blocks import BLOCKS  # noqa: E402
 
@@ -159,8 +161,16 @@ def test_nnx_module_from_hf_takes_how_it_runs_and_trains():
     step = np.abs(np.asarray(layer.router.balance_bias_e[...]) - bias)
     assert np.count_nonzero(step) > 0
     np.testing.assert_allclose(step[step > 0], 1e-3, atol=1e-7)
-    with pytest.raises(TypeError, match=r"top_k is what the .* computes.*bias_update_rate"):
+    with pytest.raises(TypeError, match=r"got top_k: what the .* computes.*bias_update_rate"):
         MoE.from_hf(block, rngs=nnx.Rngs(0), top_k=1)
+    # a misspelt option or the config itself: named as unknown by from_hf, not by the
+    # constructor it would otherwise reach
+    assert set(FROM_HF_MODULE_OPTIONS) == set(
+        inspect.signature(MoE.__init__).parameters) - {"self", "config", "rngs"}
+    for wrong in ({"implementaton": "xla"}, {"config": layer.config}):
+        with pytest.raises(TypeError, match=rf"from_hf got {next(iter(wrong))}: unknown; "
+                                            r"it takes .*mesh, plan.*implementation"):
+            MoE.from_hf(block, rngs=nnx.Rngs(0), **wrong)
 
 
 @pytest.mark.parametrize("name", sorted(LEFT_OUT))
