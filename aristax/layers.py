@@ -196,7 +196,9 @@ def layouts_checked(module: nnx.Module):
     the run-time check: a host callback, which keeps a compiled program out of JAX's
     persistent compilation cache. For a loop whose steps cannot change the layouts
     (an optimizer leaves ``ExpertLayout`` alone), e.g. ``aristax train``'s steps,
-    traced inside it. Programs traced inside it and called after it still skip the
+    traced inside it. The switch is not per module: every ``MoE`` traced inside skips
+    the check, so call only layers of ``module`` there (and do not load another state
+    into them inside it). Programs traced inside it and called after it still skip the
     check (JAX caches traces)."""
     for _, layer in nnx.iter_modules(module):
         if isinstance(layer, MoE):
