@@ -8,7 +8,10 @@ baseline groupings it is checked against.
    (see :func:`baseline_groups` for the Aristos Fig. 3 heuristics). With
    ``select="best"`` (default) LysiGroup's grouping is checked against the Fig. 3
    heuristics (single node, world, minimal) under :func:`~aristax.planner.simulate.
-   simulate` and the fastest is kept (ties: LysiGroup). Why: eq. 4's compute term
+   simulate`'s model and the fastest is kept (ties: LysiGroup); each candidate's
+   all-to-alls are timed at Aurora's bound, which the order step 3 builds reaches, so
+   only the kept grouping builds its orders (the world grouping's alone take up to
+   V^2 matchings: minutes at 512 devices). Why: eq. 4's compute term
    pi(g) = sum f / sum F assumes balanced experts; with skewed ``expert_load`` the
    hottest expert bounds compute and its rows grow with |g|, so LysiGroup can pick
    groups that are too large (e.g. Perlmutter 4x4, 128 Zipf-loaded experts: one
@@ -48,7 +51,7 @@ from aristax.planner.costs import (ATTENTION_FLOPS_PER_TOKEN, block_ops, dispatc
                                    dispatch_times, expert_compute, link_times)
 from aristax.planner.lysi import POLICIES, lysi_assign, lysi_group
 from aristax.planner.replication import replicate_experts
-from aristax.planner.simulate import simulate
+from aristax.planner.simulate import group_layer_time, iteration_time, simulate
 from aristax.planner.spec import ModelSpec, Plan, check_groups
 from aristax.planner.topology import Topology
 
@@ -172,6 +175,9 @@ def make_plan(
     # LysiGroup does not see num_replicas, so its groups may not hold the replicas
     # (ValueError); then the best grouping that does is kept, and only when none
     # does is LysiGroup's error raised.
+    # Candidates are compared by their simulated time with Aurora's order taken at its
+    # bound (which the schedule reaches), so only the kept one builds its schedules:
+    # the world grouping's alone take up to V^2 matchings.
     best, best_t, times, lysi_error = None, math.inf, {}, None
     for kind in ("lysi", "single_node", "world", "minimal"):
         cand_groups = (lysi_groups if kind == "lysi"
@@ -181,30 +187,31 @@ def make_plan(
             times[kind] = times["lysi"]
             continue
         try:
-            cand = _make_plan(topology, model, cand_groups, grouping=kind, **kwargs)
+            slots = _group_slots(topology, model, cand_groups, assign=assign, seed=seed)
         except ValueError as error:  # e.g. num_replicas not a multiple of the group sizes
             lysi_error = error if kind == "lysi" else lysi_error
             continue
-        times[kind] = simulate(cand, topology, model).iteration
+        layers = [group_layer_time(sl, g, topology, model) for g, sl in slots]
+        times[kind] = iteration_time(layers, cand_groups, topology, model)[2]
         if best is None or times[kind] < best_t:
-            best, best_t = cand, times[kind]
+            best, best_t = (kind, cand_groups), times[kind]
     if best is None:
         raise lysi_error
-    meta = dict(best.meta, candidates=times)
-    return dataclasses.replace(best, meta=meta)
+    plan = _make_plan(topology, model, best[1], grouping=best[0], **kwargs)
+    return dataclasses.replace(plan, meta=dict(plan.meta, candidates=times))
 
 
-def _make_plan(topology: Topology, model: ModelSpec, groups, *, grouping: str, policy: str, assign: str,
-               seed: int, max_partitions: int, partition_overhead: float) -> Plan:
-    """make_plan steps 2-4 for fixed ``groups``."""
+def _group_slots(topology: Topology, model: ModelSpec, groups, *, assign: str, seed: int
+                 ) -> list[tuple[list[int], list]]:
+    """make_plan step 2: (sorted group, logical experts in each device's slots) per group
+    (LysiAssign, replication or the seeded random baseline)."""
     if assign == "random" and model.num_replicas is not None:
         raise ValueError("assign='random' places each expert once; pass num_replicas=None for it.")
     wl = model.workload()
-    groups = [sorted(int(d) for d in g) for g in groups]
     rng = np.random.default_rng(seed)
     p = model.shares()
-    placement, replicas, schedules, worst = [], [], [], None
-    for group in groups:
+    out = []
+    for group in [sorted(int(d) for d in g) for g in groups]:
         if topology.expert_capacity[group].sum() < model.num_experts:
             raise ValueError(f"group {group} holds {int(topology.expert_capacity[group].sum())} experts, "
                              f"fewer than num_experts={model.num_experts}; merge it with another group.")
@@ -215,6 +222,16 @@ def _make_plan(topology: Topology, model: ModelSpec, groups, *, grouping: str, p
             slots = _slots_replicated(group, topology, costs, model.num_replicas)
         else:
             slots = _slots_lysi(group, topology, costs)
+        out.append((group, slots))
+    return out
+
+
+def _make_plan(topology: Topology, model: ModelSpec, groups, *, grouping: str, policy: str, assign: str,
+               seed: int, max_partitions: int, partition_overhead: float) -> Plan:
+    """make_plan steps 2-4 for fixed ``groups``."""
+    placed = _group_slots(topology, model, groups, assign=assign, seed=seed)
+    placement, replicas, schedules, worst = [], [], [], None
+    for group, slots in placed:
         t = dispatch_times(slots, group, topology, model)
         sched = aurora.schedule_all_to_all(t)
         comp = expert_compute(slots, group, topology, model)
@@ -234,7 +251,7 @@ def _make_plan(topology: Topology, model: ModelSpec, groups, *, grouping: str, p
     parts = lancet.plan_partitions(ops, max_partitions, overhead=partition_overhead)
     meta = {"topology": topology.name, "model": model.to_dict(), "policy": policy, "grouping": grouping, "assign": assign,
             "seed": seed, "partition_overhead": partition_overhead}
-    return Plan(topology.num_devices, model.num_experts, tuple(tuple(g) for g in groups), tuple(placement),
+    return Plan(topology.num_devices, model.num_experts, tuple(tuple(g) for g, _ in placed), tuple(placement),
                 tuple(replicas), tuple(schedules), parts, tuple(o.name for o in ops), meta)
 
 

@@ -91,9 +91,12 @@ def list_schedule(times: np.ndarray, priority: list[tuple[int, int]]) -> float:
 
 
 def order_time(times: np.ndarray, order: str, rng: np.random.Generator) -> float:
-    """All-to-all makespan of ``times`` under a transmission ``order`` (not "plan")."""
+    """All-to-all makespan of ``times`` under a transmission ``order`` (not "plan").
+    "aurora": its lower bound, which the order ``aurora.schedule_all_to_all`` builds
+    reaches (Thm 4.2; ``times`` are seconds, so one bandwidth), without building it:
+    O(n^2) instead of up to n^2 matchings."""
     if order == "aurora":
-        return aurora.schedule_all_to_all(times).makespan
+        return aurora.lower_bound(times)
     pairs = [(int(i), int(j)) for i, j in zip(*np.nonzero(times))]
     if order == "sjf":
         pairs.sort(key=lambda ij: (times[ij], ij))
@@ -134,10 +137,25 @@ def simulate(plan: Plan, topology: Topology, model: ModelSpec, *, order: str = "
             disp.append(order_time(t, order, rng))
             comb.append(order_time(t.T, order, rng))
     layer = [c + d + b for c, d, b in zip(comp, disp, comb)]
+    ar, gamma, iteration = iteration_time(layer, plan.groups, topology, model)
+    return SimResult(tuple(comp), tuple(disp), tuple(comb), tuple(layer), ar, gamma, iteration)
+
+
+def group_layer_time(slots, group, topology: Topology, model: ModelSpec) -> float:
+    """layer_g of a group whose devices hold ``slots`` (logical experts per device), its
+    all-to-alls in Aurora's order: ``simulate(..., order="aurora")``'s term, without a
+    plan."""
+    t = dispatch_times(slots, group, topology, model)
+    return (float(expert_compute(slots, group, topology, model).max())
+            + aurora.lower_bound(t) + aurora.lower_bound(t.T))
+
+
+def iteration_time(layers, groups, topology: Topology, model: ModelSpec
+                   ) -> tuple[float, float, float]:
+    """(allreduce, gamma, iteration) of ``groups`` whose layers take ``layers`` seconds
+    (eq. 1 with eq. 4's Rabenseifner all-reduce)."""
     wl = model.workload()
-    n_groups = len(plan.groups)
-    ar = max(allreduce_time(n_groups, len(g), topology, wl) for g in plan.groups)
+    ar = max(allreduce_time(len(groups), len(g), topology, wl) for g in groups)
     gamma = wl.gamma(topology.num_devices)
-    return SimResult(tuple(comp), tuple(disp), tuple(comb), tuple(layer), float(ar), float(gamma),
-                     float(gamma * max(layer) + ar))
+    return float(ar), float(gamma), float(gamma * max(layers) + ar)
 

@@ -147,3 +147,29 @@ def test_validation_errors():
         make_plan(top, model, groups=[[0, 1], [2, 9]])
     with pytest.raises(ValueError, match="exactly one group"):
         make_plan(top, model, groups=[[0, 1], [1, 2, 3]])
+
+
+def test_only_the_kept_grouping_builds_its_schedules(monkeypatch):
+    """make_plan compared its candidate groupings by simulating each built plan, so
+    it built the Birkhoff-von Neumann schedule of the whole-cluster grouping (up to
+    V^2 matchings: 168 s for 512 devices) that then lost. Candidates are compared at
+    Aurora's bound now, which the built schedules reach: the plan is the one the
+    old selection kept and its candidates' times equal simulate()'s."""
+    from aristax.planner import aurora, simulate
+
+    built = []
+    schedule = aurora.schedule_all_to_all
+    monkeypatch.setattr(aurora, "schedule_all_to_all",
+                        lambda t, *a, **k: built.append(len(t)) or schedule(t, *a, **k))
+    top, model = perlmutter(4), ModelSpec(num_experts=16, top_k=2)
+    plan = make_plan(top, model)
+    assert sorted(built) == sorted(map(len, plan.groups))  # the kept plan's groups only
+    times = plan.meta["candidates"]
+    assert set(times) == {"lysi", "single_node", "world", "minimal"}
+    for kind in ("single_node", "world", "minimal"):
+        groups = baseline_groups(top, model.num_experts, kind)
+        want = simulate(make_plan(top, model, groups=groups), top, model).iteration
+        assert times[kind] == pytest.approx(want, rel=1e-9)
+        assert times[plan.meta["grouping"]] <= times[kind]
+    assert simulate(plan, top, model).iteration == pytest.approx(
+        times[plan.meta["grouping"]], rel=1e-9)
