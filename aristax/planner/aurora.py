@@ -357,6 +357,12 @@ def bottleneck_matching(weights: np.ndarray) -> tuple[np.ndarray, float]:
     return np.array([perm[i] for i in range(n)], dtype=np.int64), float(value)
 
 
+def _check_compute_per_unit(value) -> None:
+    if not (np.isscalar(value) and np.isfinite(value) and value >= 0):
+        raise ValueError(f"compute_per_unit={value!r} must be a finite number >= 0 (compute "
+                         "time per unit of received traffic).")
+
+
 def _pair_time(weights: np.ndarray, recv: np.ndarray, speed: np.ndarray, compute_per_unit: float) -> np.ndarray:
     """[pairs, gpus] time of a colocated pair on each GPU: (traffic + c * received) / speed."""
     return (weights[:, None] + compute_per_unit * recv[:, None]) / speed[None, :]
@@ -376,6 +382,7 @@ def colocate(model_a, model_b, gpu_speed=None, *, compute_per_unit: float = 1.0)
     network and compute, footnote 2 of section 5.1). NP-hard in general (section 7.1).
     """
     a, b = _send_recv(model_a, "model_a"), _send_recv(model_b, "model_b")
+    _check_compute_per_unit(compute_per_unit)
     w = pair_weights(model_a, model_b)
     n = len(a)
     speed = None if gpu_speed is None else _bandwidth(gpu_speed, n, "gpu_speed")
@@ -402,6 +409,7 @@ def colocate(model_a, model_b, gpu_speed=None, *, compute_per_unit: float = 1.0)
 def colocation_cost(model_a, model_b, partner, gpu, gpu_speed, *, compute_per_unit: float = 1.0) -> float:
     """Objective of :func:`colocate` for a given pairing and GPU assignment."""
     a, b = _send_recv(model_a, "model_a"), _send_recv(model_b, "model_b")
+    _check_compute_per_unit(compute_per_unit)
     w = pair_weights(model_a, model_b)
     partner, gpu = np.asarray(partner), np.asarray(gpu)
     n = len(a)

@@ -102,6 +102,11 @@ def run(args: argparse.Namespace) -> int:
     one line and exits with 2)."""
     if args.png and not args.png.lower().endswith(".png"):
         raise ValueError(f"--png {args.png!r} must end in .png, e.g. --png plan.png.")
+    for flag, out in (("--json", args.json), ("--png", args.png)):
+        if out and (Path(out).is_dir() or not Path(out).absolute().parent.is_dir()):
+            raise ValueError(f"{flag} {out!r}: "
+                             + ("is a directory; name a file in it" if Path(out).is_dir() else
+                                "its directory does not exist; create it first"))
     topology = parse_topology(args.topology)
     model = ModelSpec(num_experts=args.experts, top_k=args.top_k, d_model=args.d_model,
                       d_ff=args.d_ff, tokens_per_device=args.tokens)

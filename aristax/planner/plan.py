@@ -157,6 +157,11 @@ def make_plan(
     iteration times of all candidates.
     Deterministic: equal inputs give equal plans (and equal JSON).
     """
+    if not isinstance(topology, Topology):
+        raise TypeError(f"topology must be an aristax.planner.Topology, got "
+                        f"{type(topology).__name__}; e.g. topology.preset('perlmutter', 4).")
+    if not isinstance(model, ModelSpec):
+        raise TypeError(f"model must be an aristax.planner.ModelSpec, got {type(model).__name__}.")
     if assign not in ("lysi", "random"):
         raise ValueError(f"assign must be 'lysi' or 'random', got {assign!r}.")
     if select not in ("best", "lysi"):

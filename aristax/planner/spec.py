@@ -213,9 +213,13 @@ def _validate(p: Plan) -> None:
         from_place = sorted((x, d) for x, devs in enumerate(place) for d in set(devs))
         if from_reps != from_place:
             raise ValueError(f"replicas[{g}] and placement[{g}] disagree on which device holds which expert.")
-        for r in sched.rounds:
+        for k, r in enumerate(sched.rounds):
             for i, j, _ in r.sends:
                 if not (0 <= i < len(group) and 0 <= j < len(group)):
                     raise ValueError(f"schedules[{g}] sends {i}->{j}; use local indices < {len(group)}.")
+            senders, receivers = [i for i, _, _ in r.sends], [j for _, j, _ in r.sends]
+            if len(set(senders)) != len(senders) or len(set(receivers)) != len(receivers):
+                raise ValueError(f"schedules[{g}] round {k} has a device sending or receiving twice; "
+                                 "each round must be a partial permutation (contention-free).")
     if p.op_names and len(p.partitions.counts()) != len(p.op_names):
         raise ValueError(f"partitions cover {len(p.partitions.counts())} ops but op_names has {len(p.op_names)}.")

@@ -119,9 +119,15 @@ class Topology:
                     raise ValueError(
                         f"{field} is not symmetric; symmetrize it or pass symmetric=False."
                     )
+        if not isinstance(self.symmetric, (bool, np.bool_)):
+            raise ValueError(f"symmetric must be true or false, got {self.symmetric!r} "
+                             f"({type(self.symmetric).__name__}).")
         node = self.node
         if node is not None:
-            node = _array("node", node, np.int64)
+            ids = _array("node", node, np.float64)
+            if not np.all(np.isfinite(ids)) or np.any(ids != np.round(ids)):
+                raise ValueError(f"node must hold integer host ids, got {ids.tolist()[:8]}.")
+            node = ids.astype(np.int64)
             if node.shape != (v,):
                 raise ValueError(f"node must have length V={v} (one host id per device), got {node.shape}.")
             node.setflags(write=False)

@@ -93,6 +93,9 @@ def test_rejects_bad_input():
     for speed in ([0.0, 0.0], [-1.0, -1.0], [1.0, 1.0, 1.0]):  # equal speeds are checked too
         with pytest.raises(ValueError, match="gpu_speed"):
             aurora.colocate(np.ones((2, 2)), np.ones((2, 2)), speed)
+    for unit in (np.nan, -5.0):  # nan raised a TypeError from inside, -5 was taken
+        with pytest.raises(ValueError, match="compute_per_unit"):
+            aurora.colocate(np.ones((3, 3)), np.eye(3), [1.0, 2.0, 3.0], compute_per_unit=unit)
 
 
 def test_heterogeneous_bound_not_reachable_one_peer_at_a_time():

@@ -77,6 +77,9 @@ def test_png_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
 def test_bad_arguments_print_a_message_and_exit_2(tmp_path, capsys):
     """``aristax.cli.main`` prints the handler's ValueError as one line."""
     for argv, said in ((["--png", str(tmp_path / "p.jpg")], "--png"),
+                       # checked before planning, not after the tables were printed
+                       (["--json", str(tmp_path / "no" / "p.json")], "does not exist"),
+                       (["--json", str(tmp_path)], "is a directory"),
                        (["--top-k", "100"], "top_k=100"),
                        (["--experts", "100000"], "num_experts")):
         assert cli.main(["plan", "perlmutter:1", "--experts", "8", *argv]) == 2

@@ -119,6 +119,12 @@ def test_validation_errors():
         Plan.from_json(broken(placement=place))
     with pytest.raises(ValueError, match="one entry per group"):
         Plan.from_json(broken(schedules=d["schedules"][:1]))
+    clash = json.loads(json.dumps(d["schedules"]))  # device 0 sends twice in one round
+    clash[0]["rounds"][0]["sends"] = [[0, 1, 1e-6], [0, 1, 1e-6]]
+    with pytest.raises(ValueError, match="round 0 has a device sending or receiving twice"):
+        Plan.from_json(broken(schedules=clash))
+    with pytest.raises(TypeError, match="topology must be an aristax.planner.Topology.*preset"):
+        make_plan("perlmutter:4", model)
     with pytest.raises(ValueError, match="missing"):
         Plan.from_json(json.dumps({k: v for k, v in d.items() if k != "replicas"}))
     with pytest.raises(ValueError, match="expert_load"):

@@ -26,6 +26,8 @@ def _small(**over):
         (dict(flops=[0.0, 1e14]), "flops"),
         (dict(expert_capacity=[1.5, 2]), "expert_capacity"),
         (dict(node=[0]), "node"),
+        (dict(node=[0.7, 1.9]), "node must hold integer host ids"),  # was truncated to [0, 1]
+        (dict(symmetric="false"), "symmetric must be true or false"),  # a string was true
     ],
 )
 def test_validation_names_the_field(over, field):
