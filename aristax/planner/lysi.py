@@ -90,7 +90,7 @@ class Workload:
         for name in ("num_experts", "tokens_per_device", "d_model", "d_ff", "top_k",
                      "bytes_per_element", "param_bytes", "num_layers", "moe_every", "micro_batch"):
             value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"Workload.{name} must be a positive integer, got {value!r}.")
         if not (self.recompute >= 0 and self.eta > 0 and np.isfinite([self.recompute, self.eta]).all()):
             raise ValueError(f"Workload.recompute must be finite and >= 0 and Workload.eta finite "

@@ -129,6 +129,8 @@ def test_validation_errors():
         Plan.from_json(json.dumps({k: v for k, v in d.items() if k != "replicas"}))
     with pytest.raises(ValueError, match="expert_load"):
         ModelSpec(num_experts=4, expert_load=(1.0, 2.0))
+    with pytest.raises(ValueError, match="num_experts must be a positive integer, got True"):
+        ModelSpec(num_experts=True)  # a bool was taken as 1 expert
     with pytest.raises(ValueError, match="num_replicas"):
         ModelSpec(num_experts=4, num_replicas=3)
     with pytest.raises(ValueError, match="num_replicas=5.5 must be an integer"):

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from aristax.planner import topology as topology_module
 from aristax.planner.topology import MB, Topology, dgx_h100, heterogeneous_mix, perlmutter, uniform
 
 
@@ -33,6 +34,15 @@ def _small(**over):
 def test_validation_names_the_field(over, field):
     with pytest.raises(ValueError, match=field):
         _small(**over)
+
+
+@pytest.mark.parametrize("make, arg", [("perlmutter", 2.5), ("perlmutter", "2"), ("dgx_h100", 1.0),
+                                       ("uniform", True), ("heterogeneous_mix", 0.5)])
+def test_presets_called_directly_refuse_a_count_that_is_not_an_integer(make, arg):
+    """perlmutter(2.5) raised NumPy's TypeError from inside, perlmutter('2') a TypeError
+    about '<'; preset() checked them, the direct calls did not."""
+    with pytest.raises(ValueError, match=f"must be an integer, got {arg!r}"):
+        getattr(topology_module, make)(arg)
 
 
 def test_asymmetric_allowed_when_declared():
