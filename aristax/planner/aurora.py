@@ -167,8 +167,9 @@ def _perfect_matching(support: np.ndarray) -> dict[int, int] | None:
     return None if (cols < 0).any() else dict(enumerate(cols.tolist()))
 
 
-def _bvn_rounds(t: np.ndarray) -> list[Round]:
-    """Birkhoff-von Neumann on the padded matrix; rounds carry only real traffic (times)."""
+def _bvn_rounds(t: np.ndarray, limit: int | None = None) -> list[Round] | None:
+    """Birkhoff-von Neumann on the padded matrix; rounds carry only real traffic (times).
+    None as soon as it takes more than ``limit`` rounds (None: no limit)."""
     n = t.shape[0]
     b_max = max(t.sum(1).max(), t.sum(0).max())
     tol = _REL_TOL * b_max * max(n, 1)
@@ -197,6 +198,8 @@ def _bvn_rounds(t: np.ndarray) -> list[Round]:
                 real[i, j] -= amount
         if sends:
             rounds.append(Round(tuple(sends), max(a for _, _, a in sends)))
+            if limit is not None and len(rounds) > limit:
+                return None
     # float dust that lost its matching: deliver it in extra greedy rounds
     leftover = [(i, j, real[i, j]) for i, j in zip(*np.nonzero(real > 0))]
     while leftover:
@@ -269,8 +272,8 @@ def schedule_all_to_all(traffic, bandwidth=None, *, max_rounds: int | None = Non
         return Schedule((), lb)
     t = _time_matrix(d, b)
     scale = np.minimum(b[:, None], b[None, :])
-    rounds = _bvn_rounds(t)
-    if max_rounds is not None and len(rounds) > max_rounds:
+    rounds = _bvn_rounds(t, max_rounds)
+    if rounds is None or (max_rounds is not None and len(rounds) > max_rounds):
         rounds = _coloured_rounds(t, max_rounds)
     rounds = [Round(tuple((i, j, a * float(scale[i, j])) for i, j, a in r.sends), r.duration) for r in rounds]
     return Schedule(tuple(rounds), lb)

@@ -107,6 +107,23 @@ def test_heterogeneous_bound_not_reachable_one_peer_at_a_time():
     assert sched.makespan == pytest.approx(2.0)  # the min(B_i, B_j) decomposition (Appx. B)
 
 
+def test_bounded_rounds_stop_the_decomposition_at_the_bound(monkeypatch):
+    """max_rounds ran the whole Birkhoff-von Neumann decomposition (up to n^2 rounds,
+    a matching each) before falling back: 5.9 s for n = 96. It stops once the rounds
+    pass the bound: at most max_rounds + 1 matchings, then the colouring's."""
+    matchings = []
+    match = aurora._perfect_matching
+    monkeypatch.setattr(aurora, "_perfect_matching",
+                        lambda support: matchings.append(1) or match(support))
+    n = 24
+    d = np.random.default_rng(0).random((n, n))
+    np.fill_diagonal(d, 0.0)
+    bounded = aurora.schedule_all_to_all(d, max_rounds=n)
+    check_schedule(d, bounded)
+    assert bounded.num_rounds <= n - 1
+    assert len(matchings) <= (n + 1) + (n - 1)  # the full decomposition takes ~n^2
+
+
 @settings(max_examples=20, deadline=None)
 @given(st.integers(0, 10_000), st.integers(2, 8))
 def test_bounded_rounds(seed, n):
