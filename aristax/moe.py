@@ -152,6 +152,11 @@ def check_inputs(
                 f"router_bias={config.router_bias}, expert_bias={config.expert_bias}, "
                 f"shared_expert_gate={config.shared_expert_gate}) needs {shape}; build "
                 "the params for this config (e.g. aristax.MoE(config, rngs=...).params())")
+        if value is not None and not jnp.issubdtype(value.dtype, jnp.floating):
+            raise ValueError(
+                f"params.{name} has dtype {value.dtype}; the layer's weights are real "
+                f"floating point (float32, bfloat16, float16 or float64): cast it, e.g. "
+                f"params.replace({name}=params.{name}.astype(jnp.float32))")
     if bias is not None and tuple(bias.shape) != (E,):
         raise ValueError(f"bias has shape {tuple(bias.shape)}; it must be [E] = ({E},), one "
                          "selection bias per expert")
@@ -214,6 +219,14 @@ def moe(
           router_logits: float32[T, E].
     Raises:
       ValueError: x, params, bias or seq_len do not fit ``config`` (``check_inputs``).
+
+    Differentiation: reverse mode (``jax.grad``, ``jax.vjp``, ``jax.linearize``) works
+    on every path. The kernel front doors are ``custom_vjp`` functions, so forward
+    mode (``jax.jvp``, ``jax.jacfwd``) raises JAX's "can't apply forward-mode autodiff
+    (jvp) to a custom_vjp function" on every path. The "xla" grouped GEMM and fused
+    expert MLP (the CPU default) have backward passes that loop over traced trip
+    counts, so a second reverse derivative (grad of grad) raises there; with
+    ``config.implementation="reference"`` it works.
     """
     check_inputs(x, params, config, bias=bias, seq_len=seq_len)
     # Tokens typed on a mesh with Explicit axes (plain data parallelism under

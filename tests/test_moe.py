@@ -299,6 +299,12 @@ BAD_INPUTS = {
     "no shared experts": (lambda a: dict(config=a["config"].replace(num_shared_experts=1)),
                           r"params\.shared_up_df has shape None.*needs \(8, 8\)"),
     "bias": (lambda a: dict(bias=jnp.zeros(3)), r"bias has shape \(3,\)"),
+    # complex weights lost their imaginary part, integer ones were taken, silently
+    "complex weights": (lambda a: dict(params=a["params"].replace(
+        down_efd=a["params"].down_efd.astype(jnp.complex64) + 5j)),
+        r"params\.down_efd has dtype complex64.*astype\(jnp\.float32\)"),
+    "integer weights": (lambda a: dict(params=a["params"].replace(
+        router_de=a["params"].router_de.astype(jnp.int32))), r"params\.router_de has dtype int32"),
     "seq_len": (lambda a: dict(seq_len=4), "seq_len=4 must be a positive divisor of the T=6"),
     "seq_len zero": (lambda a: dict(seq_len=0), "seq_len=0 must be a positive divisor"),
 }
