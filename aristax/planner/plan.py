@@ -180,9 +180,6 @@ def make_plan(
     # LysiGroup does not see num_replicas, so its groups may not hold the replicas
     # (ValueError); then the best grouping that does is kept, and only when none
     # does is LysiGroup's error raised.
-    # Candidates are compared by their simulated time with Aurora's order taken at its
-    # bound (which the schedule reaches), so only the kept one builds its schedules:
-    # the world grouping's alone take up to V^2 matchings.
     best, best_t, times, lysi_error = None, math.inf, {}, None
     for kind in ("lysi", "single_node", "world", "minimal"):
         cand_groups = (lysi_groups if kind == "lysi"
