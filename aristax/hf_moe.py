@@ -76,10 +76,10 @@ _V3 = RouterRule("sigmoid", normalize="norm_topk_prob", scale="routed_scaling_fa
 # Router class name -> its routing (read from transformers 5's modeling files).
 ROUTERS: dict[str, RouterRule] = {
     **dict.fromkeys(("MixtralTopKRouter", "MiniMaxTopKRouter", "Qwen3_5MoeTopKRouter",
-                     "LaraMiniTopKRouter", "HunYuanMoEV1Gate"), _RENORM),
+                     "HunYuanMoEV1Gate"), _RENORM),
     **dict.fromkeys(("Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter", "Qwen3NextTopKRouter",
                      "Qwen4ExpTextTopKRouter", "OlmoeTopKRouter", "FlexOlmoTopKRouter",
-                     "MellumTopKRouter", "JambaTopKRouter"), _SOFTMAX),
+                     "MellumTopKRouter", "JambaTopKRouter", "LaraMiniTopKRouter"), _SOFTMAX),
     **dict.fromkeys(("DeepseekV3TopkRouter", "DeepseekV32TopkRouter", "Dots1TopkRouter",
                      "Glm4MoeTopkRouter", "Glm4MoeLiteTopkRouter", "GlmMoeDsaTopkRouter",
                      "SolarOpenTopkRouter", "BailingHybridTopkRouter", "KimiLinearTopkRouter",

@@ -205,6 +205,29 @@ def _filled(block, seed: int):
     return block.eval()
 
 
+def test_every_renormalisation_flag_is_followed_both_ways():
+    """Each converted block's router flag ``norm_topk_prob`` (read at forward time) set
+    the other way from BLOCKS' config: from_hf follows it (a user trial found LaraMini's
+    ``False`` converted as renormalised: 46% off, silently)."""
+    flipped = []
+    for name in CONVERTED:
+        block = moe_block(name, 6).float()
+        flags = [m for m in block.modules() if isinstance(getattr(m, "norm_topk_prob", None),
+                                                          bool)]
+        if not flags or name.startswith("switch"):
+            continue
+        for m in flags:
+            m.norm_topk_prob = not m.norm_topk_prob
+        (config, params), bias = converted(block)
+        x = torch.randn(B * S, config.d_model, generator=torch.Generator().manual_seed(7))
+        with torch.no_grad():
+            want = block_run(name, block, x.reshape(B, S, -1))[0].reshape(B * S, -1)
+        got = moe(jnp.asarray(x.numpy()), params, config, bias=bias)[0]
+        assert rel_err(got, want.numpy()) < 1e-5, (name, flags[0].norm_topk_prob)
+        flipped.append(name)
+    assert {"lara_mini", "qwen3_moe", "deepseek_v3"} <= set(flipped), flipped
+
+
 def test_lfm2_epsilon_in_the_weights_sum():
     """LFM2 divides by sum + 1e-6: with small sigmoid scores that is 5% of the weights
     (found by an independent audit: aristax divided by the sum alone)."""
