@@ -73,6 +73,8 @@ _RENORM = RouterRule("softmax_topk", normalize=True)
 _V3 = RouterRule("sigmoid", normalize="norm_topk_prob", scale="routed_scaling_factor",
                  groups="top2_sum", selection_bias="gate.e_score_correction_bias",
                  norm_eps=1e-20)
+# Attributes (of a block or its router) of noise that HF applies in training only.
+TRAINING_JITTER = ("jitter_noise", "router_jitter_noise", "input_jitter_noise", "moe_jitter_eps")
 # Router class name -> its routing (read from transformers 5's modeling files).
 ROUTERS: dict[str, RouterRule] = {
     **dict.fromkeys(("MixtralTopKRouter", "MiniMaxTopKRouter", "Qwen3_5MoeTopKRouter",
@@ -384,7 +386,7 @@ def from_hf(block) -> tuple[MoEConfig, MoEParams]:
     state = block.state_dict()
     _unused(block, list(slots) + ([sel_key] if sel_key else []))
     jitter = max(float(getattr(m, name, 0.0) or 0.0) for m in (block, _router(block)[0])
-                 for name in ("jitter_noise", "router_jitter_noise"))
+                 for name in TRAINING_JITTER)
     if jitter > 0:
         warnings.warn(f"{type(block).__name__}: from_hf converts the block's eval-mode "
                       f"computation; its training jitter ({jitter}) is not carried "

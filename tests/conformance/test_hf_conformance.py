@@ -228,6 +228,20 @@ def test_every_renormalisation_flag_is_followed_both_ways():
     assert {"lara_mini", "qwen3_moe", "deepseek_v3"} <= set(flipped), flipped
 
 
+@pytest.mark.parametrize("name,field", [("mixtral", "jitter_noise"),
+                                        ("dbrx", "moe_jitter_eps")])
+def test_training_jitter_is_named_in_a_warning(name, field):
+    """Each block kind's training-only noise warns that it is not carried (DBRX's
+    ``moe_jitter_eps`` converted silently before)."""
+    block = moe_block(name, 1)
+    modules = [m for m in block.modules() if hasattr(m, field)]
+    assert modules, field
+    for m in modules:
+        setattr(m, field, 0.1)
+    with pytest.warns(UserWarning, match=r"training jitter \(0.1\)"):
+        hf_moe.from_hf(block)
+
+
 def test_lfm2_epsilon_in_the_weights_sum():
     """LFM2 divides by sum + 1e-6: with small sigmoid scores that is 5% of the weights
     (found by an independent audit: aristax divided by the sum alone)."""
