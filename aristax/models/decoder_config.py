@@ -184,13 +184,14 @@ class DecoderConfig:
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"config.json has hidden_act={act!r}; {name} experts need 'silu'")
-        rope = hf.get("rope_parameters") or {}
-        scaling = hf.get("rope_scaling")
+        # transformers 5 reads a 4.x file's rope_scaling as rope_parameters
+        key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+        rope = hf.get(key) or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default" or scaling:
+        if rope_type != "default":
             raise ValueError(
-                f"config.json asks for rope_type={rope_type!r} / rope_scaling={scaling!r}; "
-                "only plain rotary embeddings ('default') are supported"
+                f"config.json asks for rope_type={rope_type!r} ({key}={rope!r}); only "
+                "plain rotary embeddings (rope_type 'default') are supported"
             )
         theta = rope.get("rope_theta", hf.get("rope_theta", cls.rope_theta))
         aliased = {cls.hf_aliases.get(key, key): value for key, value in hf.items()}

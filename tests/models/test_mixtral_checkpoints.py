@@ -152,10 +152,21 @@ def test_config_reads_legacy_rope_theta():
     assert cfg.rope_theta == 1234.0 and cfg.num_key_value_heads == 4 and cfg.head_dim == 8
 
 
+@pytest.mark.parametrize("scaling, theta", [({"rope_type": "default"}, 500000.0),
+                                            ({"type": "default", "rope_theta": 77.0}, 77.0)])
+def test_config_reads_a_legacy_default_rope_scaling_as_hf_does(scaling, theta):
+    """A 4.x config.json's rope_scaling that asks for plain rotary embeddings is what
+    transformers reads it as (it was refused as scaling)."""
+    hf = {"model_type": "mixtral", "rope_theta": 500000.0, "rope_scaling": scaling}
+    transformers = pytest.importorskip("transformers")
+    assert transformers.MixtralConfig(**hf).rope_parameters["rope_theta"] == theta
+    assert MixtralConfig.from_hf(hf).rope_theta == theta
+
+
 @pytest.mark.parametrize("hf, match", [
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
      "rope_type='yarn'"),
-    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_type='linear'"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"model_type": "llama"}, "model_type"),
     ({"num_key_value_heads": 3}, "num_key_value_heads=3"),
