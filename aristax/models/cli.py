@@ -34,11 +34,19 @@ def register(subparsers) -> argparse.ArgumentParser:
     src.add_argument("--ids", type=int, nargs="+", help="prompt token ids")
     src.add_argument("--text", help="prompt text (needs tokenizer.json in the checkpoint)")
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy (default: the checkpoint's generation_config.json: "
+                   "its temperature if it samples, else greedy)")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="when sampling, keep the k most likely tokens; 0 = off (default: "
+                   "generation_config.json's, else 50 as Hugging Face)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="when sampling, the nucleus threshold (default: "
+                   "generation_config.json's, else 1.0)")
     p.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling")
     p.add_argument("--eos-token-id", type=int, default=None,
-                   help="stop at this id (default: the config's eos_token_id; -1: never)")
+                   help="stop at this id (default: generation_config.json's EOS ids, else "
+                   "config.json's; -1: never)")
     p.add_argument("--dtype", default=None, help="parameter dtype (default float32)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
@@ -58,9 +66,11 @@ def _check_flags(args: argparse.Namespace) -> None:
     """The flags' ranges, before the checkpoint is read."""
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
-    if args.temperature < 0:
+    if args.temperature is not None and args.temperature < 0:
         raise ValueError(f"--temperature={args.temperature} must be >= 0 (0 = greedy)")
-    if not 0 < args.top_p <= 1:
+    if args.top_k is not None and args.top_k < 0:
+        raise ValueError(f"--top-k={args.top_k} must be >= 0 (0 = off)")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
         raise ValueError(f"--top-p={args.top_p} must be in (0, 1]")
     check_float_dtype("--dtype", args.dtype, owner="")
     if not (Path(args.checkpoint) / "config.json").exists():
@@ -83,10 +93,10 @@ def _generate(args: argparse.Namespace) -> int:
     if not prompt:
         raise ValueError("the prompt is empty: give --ids or a --text that tokenizes")
     model = from_pretrained(checkpoint, dtype=args.dtype)
-    eos = () if args.eos_token_id == -1 else args.eos_token_id  # None: the config's
+    eos = () if args.eos_token_id == -1 else args.eos_token_id  # None: the checkpoint's
     ids, stats = generate_with_stats(
         model, np.asarray([prompt], np.int32), args.max_new_tokens,
-        temperature=args.temperature, top_p=args.top_p, eos_token_id=eos,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_token_id=eos,
         rng=jax.random.key(args.seed))
     new = ids[0, len(prompt):].tolist()
     result = {

@@ -40,6 +40,7 @@ from aristax.config import RouterConfig
 from aristax.layers import jitter_stream
 from aristax.models import hf, sparse_moe
 from aristax.models.decoder_config import DecoderConfig
+from aristax.models.generation_config import GenerationConfig
 from aristax.sharding import DecoderAxes
 
 
@@ -464,6 +465,8 @@ class DecoderLM(nnx.Module):
             raise TypeError(f"axes={axes!r}: give an aristax.sharding.DecoderAxes, e.g. "
                             "DecoderAxes(embed='fsdp')")
         self.config = config
+        # HF generate's defaults; from_pretrained reads generation_config.json
+        self.generation_config = GenerationConfig.from_model_config(config)
         V, D, dt = config.vocab_size, config.hidden_size, config.dtype
         moe_config = config.moe_config() if moe_config is None else moe_config
         E = config.num_routed_experts

@@ -8,7 +8,10 @@ Left-padded batches follow Hugging Face ``generate``: position ids are
 takes the next position of its row, and rows that emitted an EOS token continue with
 ``pad_token_id`` until every row is done (then generation stops early). As there, the
 EOS and pad ids default to the model config's, and without an ``attention_mask`` one
-is inferred from the pad id when the prompts hold it (and it is not an EOS id).
+is inferred from the pad id when the prompts hold it (and it is not an EOS id). And as
+there, the arguments left out are the model's ``generation_config`` (a checkpoint's
+generation_config.json; ``aristax.models.generation_config``): its EOS and pad ids, and
+whether and how it samples (HF's defaults: greedy; when sampling, top-k 50).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from aristax.models.decoder import DecodeWeights, DecoderLM, KVCache, check_token_ids
+from aristax.models.generation_config import GenerationConfig
 
 
 # --------------------------------------------------------------------- sampling
@@ -42,13 +46,22 @@ def top_p_mask(logits: jax.Array, top_p: jax.Array) -> jax.Array:
     return jnp.where(remove, -jnp.inf, logits)
 
 
-def next_token(logits, rng, temperature, top_p, do_sample: bool) -> jax.Array:
-    """int32[B] from the last logits float[B, V]: argmax, or temperature + top-p
-    sampling (HF warper order: temperature, then top-p)."""
+def top_k_mask(logits: jax.Array, top_k: jax.Array) -> jax.Array:
+    """HF ``TopKLogitsWarper``: logits below the k-th largest set to -inf (ties with it
+    kept); top_k <= 0 or >= V keeps all. logits: float32[B, V]; top_k: int32[]."""
+    V = logits.shape[-1]
+    k = jnp.where(top_k <= 0, V, jnp.minimum(top_k, V))
+    kth = jnp.take(jnp.sort(logits, axis=-1), V - k, axis=-1)
+    return jnp.where(logits < kth[:, None], -jnp.inf, logits)
+
+
+def next_token(logits, rng, temperature, top_k, top_p, do_sample: bool) -> jax.Array:
+    """int32[B] from the last logits float[B, V]: argmax, or sampling after HF's
+    warpers in HF's order: temperature, top-k, top-p."""
     logits = logits.astype(jnp.float32)
     if not do_sample:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = top_p_mask(logits / temperature, top_p)
+    logits = top_p_mask(top_k_mask(logits / temperature, top_k), top_p)
     return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
@@ -93,7 +106,7 @@ class _Structure:
 
 
 def _prefill(structure: _Structure, state, decode_weights, input_ids, attention_mask,
-             position_ids, rng, temperature, top_p, eos_ids, pad_id, *, cache_length,
+             position_ids, rng, temperature, top_k, top_p, eos_ids, pad_id, *, cache_length,
              do_sample):
     model = nnx.merge(structure.graphdef, state)
     B = input_ids.shape[0]
@@ -101,18 +114,18 @@ def _prefill(structure: _Structure, state, decode_weights, input_ids, attention_
     out = model(input_ids, attention_mask, position_ids, cache=cache,
                 decode_weights=decode_weights, last_only=True)
     rng, key = jax.random.split(rng)
-    tok = next_token(out.logits[:, -1], key, temperature, top_p, do_sample)
+    tok = next_token(out.logits[:, -1], key, temperature, top_k, top_p, do_sample)
     tok, done = _emit(tok, jnp.zeros((B,), bool), eos_ids, pad_id)
     return tok, done, out.cache, position_ids[:, -1] + 1, rng
 
 
 def _decode(structure: _Structure, state, decode_weights, tok, done, cache, position, rng,
-            temperature, top_p, eos_ids, pad_id, *, do_sample):
+            temperature, top_k, top_p, eos_ids, pad_id, *, do_sample):
     model = nnx.merge(structure.graphdef, state)
     out = model(tok[:, None], None, position[:, None], cache=cache,
                 decode_weights=decode_weights)
     rng, key = jax.random.split(rng)
-    nxt = next_token(out.logits[:, -1], key, temperature, top_p, do_sample)
+    nxt = next_token(out.logits[:, -1], key, temperature, top_k, top_p, do_sample)
     nxt, done = _emit(nxt, done, eos_ids, pad_id)
     return nxt, done, out.cache, position + 1, rng
 
@@ -122,7 +135,7 @@ def _decode(structure: _Structure, state, decode_weights, tok, done, cache, posi
 # layer count, sizes, MoE plan and layout, dtypes, ...), per ``do_sample`` and, for the
 # prefill, per ``cache_length`` (prompt length + max_new_tokens), and per shape, dtype
 # and sharding of the array arguments (batch, prompt length). Sampling values
-# (temperature, top_p, EOS and pad ids) are arrays: changing them compiles nothing.
+# (temperature, top_k, top_p, EOS and pad ids) are arrays: changing them compiles nothing.
 # ``jax.clear_caches()`` empties it. The decode step donates the cache.
 prefill_step = jax.jit(_prefill, static_argnames=("structure", "cache_length", "do_sample"))
 decode_step = jax.jit(_decode, static_argnames=("structure", "do_sample"),
@@ -157,7 +170,7 @@ class GenerationStats:
                    step_s=steps)
 
 
-def _check_arguments(ids: np.ndarray, max_new_tokens, temperature, top_p,
+def _check_arguments(ids: np.ndarray, max_new_tokens, temperature, top_k, top_p,
                      vocab_size: int) -> None:
     if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"input_ids must be an integer array [batch, seq], got "
@@ -166,6 +179,8 @@ def _check_arguments(ids: np.ndarray, max_new_tokens, temperature, top_p,
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
     if temperature < 0:
         raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
+    if not isinstance(top_k, (int, np.integer)) or isinstance(top_k, bool) or top_k < 0:
+        raise ValueError(f"top_k={top_k!r} must be an integer >= 0 (0 = off)")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p={top_p} must be in (0, 1]")
     check_token_ids(ids, vocab_size)
@@ -205,11 +220,29 @@ def _prompt_mask(ids: np.ndarray, attention_mask, pad: int | None,
     return mask
 
 
+def _generation_config(model: DecoderLM) -> GenerationConfig:
+    """The model's ``generation_config`` (one made from its config for a model that
+    has none)."""
+    gen = getattr(model, "generation_config", None)
+    return GenerationConfig.from_model_config(model.config) if gen is None else gen
+
+
+def _sampling(model: DecoderLM, temperature, top_k, top_p) -> tuple[float, int, float]:
+    """(temperature, top_k, top_p), each the model's generation config's where None:
+    its temperature when it samples (``do_sample``), else 0 (greedy)."""
+    gen = _generation_config(model)
+    if temperature is None:
+        temperature = gen.temperature if gen.do_sample else 0.0
+    return (temperature, gen.top_k if top_k is None else top_k,
+            gen.top_p if top_p is None else top_p)
+
+
 def _special_ids(model: DecoderLM, eos_token_id, pad_token_id
                  ) -> tuple[tuple[int, ...], int | None]:
-    """(EOS ids, pad id or None) as Hugging Face resolves them: the config's where not
-    given, the pad id falling back to the first EOS id. Given EOS ids outside the
-    vocabulary, which no step can produce, are refused."""
+    """(EOS ids, pad id or None) as Hugging Face resolves them: the generation
+    config's, else the model config's, where not given; the pad id falling back to
+    the first EOS id. Given EOS ids outside the vocabulary, which no step can
+    produce, are refused."""
     vocab = model.config.vocab_size
     if eos_token_id is not None:
         outside = [int(e) for e in np.atleast_1d(eos_token_id) if not 0 <= int(e) < vocab]
@@ -217,11 +250,11 @@ def _special_ids(model: DecoderLM, eos_token_id, pad_token_id
             raise ValueError(f"eos_token_id {outside[0]} is outside this model's vocabulary "
                              f"[0, {vocab}), so generation would never stop at it; give "
                              f"an id in range, or none (() here, -1 on the command line)")
-    if eos_token_id is None:
-        eos_token_id = model.config.eos_token_id
+    gen = _generation_config(model)
+    for source in (gen, model.config):
+        eos_token_id = source.eos_token_id if eos_token_id is None else eos_token_id
+        pad_token_id = source.pad_token_id if pad_token_id is None else pad_token_id
     eos = () if eos_token_id is None else tuple(int(e) for e in np.atleast_1d(eos_token_id))
-    if pad_token_id is None:
-        pad_token_id = model.config.pad_token_id
     if pad_token_id is None and eos:
         pad_token_id = eos[0]
     return eos, pad_token_id
@@ -274,8 +307,9 @@ def generate_with_stats(
     max_new_tokens: int,
     *,
     attention_mask=None,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
     eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int | None = None,
     rng: jax.Array | None = None,
@@ -288,13 +322,15 @@ def generate_with_stats(
     ``do_sample`` compiles nothing.
     """
     ids = np.asarray(input_ids)
-    _check_arguments(ids, max_new_tokens, temperature, top_p, model.config.vocab_size)
+    temperature, top_k, top_p = _sampling(model, temperature, top_k, top_p)
+    _check_arguments(ids, max_new_tokens, temperature, top_k, top_p, model.config.vocab_size)
     eos, pad = _special_ids(model, eos_token_id, pad_token_id)
     mask = _prompt_mask(ids, attention_mask, pad, eos)
     position_ids = np.where(mask, np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
     do_sample = temperature > 0
     rng = jax.random.key(0) if rng is None else rng
-    sampling = (np.float32(temperature if do_sample else 1.0), np.float32(top_p),
+    sampling = (np.float32(temperature if do_sample else 1.0), np.int32(top_k),
+                np.float32(top_p),
                 *_stop_ids(eos, pad))
     if decode_weights is None:
         decode_weights = model.decode_weights()
@@ -321,8 +357,9 @@ def generate(
     max_new_tokens: int,
     *,
     attention_mask=None,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
     eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int | None = None,
     rng: jax.Array | None = None,
@@ -337,13 +374,19 @@ def generate(
       max_new_tokens: N, tokens to generate per row.
       attention_mask: [B, S] 1 for real tokens, 0 for left padding (None: inferred
         from the pad id as HF does, see ``pad_token_id``, else all real).
-      temperature: 0 = greedy (argmax); > 0 samples softmax(logits / temperature).
-      top_p: nucleus sampling threshold (HF ``TopPLogitsWarper``), used when sampling.
+      temperature: 0 = greedy (argmax); > 0 samples softmax(logits / temperature)
+        (default: the generation config's when it samples, ``do_sample``, else 0).
+      top_k: when sampling, keep the k most likely tokens (HF ``TopKLogitsWarper``;
+        0 = off; default: the generation config's, HF's 50 where it names none).
+      top_p: when sampling, the nucleus threshold (HF ``TopPLogitsWarper``) after
+        top-k (default: the generation config's, 1.0 where it names none).
       eos_token_id: id or ids that end a row; generation stops when all rows ended
-        (default: ``model.config.eos_token_id``, as HF; ``()`` for none).
-      pad_token_id: emitted by ended rows (default: ``model.config.pad_token_id``,
-        else the first EOS id, as HF). Without ``attention_mask``, prompts holding it
-        are taken as padded with it (HF's rule; not when it is an EOS id).
+        (default: ``model.generation_config``'s, else ``model.config``'s, as HF;
+        ``()`` for none).
+      pad_token_id: emitted by ended rows (default: the generation config's, else
+        ``model.config``'s, else the first EOS id, as HF). Without
+        ``attention_mask``, prompts holding it are taken as padded with it (HF's
+        rule; not when it is an EOS id).
       rng: PRNG key for sampling (default ``jax.random.key(0)``).
       decode_weights: ``model.decode_weights()`` made once and reused across calls
         (default: made per call, which copies the streamed weights).
@@ -352,6 +395,6 @@ def generate(
     """
     out, _ = generate_with_stats(
         model, input_ids, max_new_tokens, attention_mask=attention_mask,
-        temperature=temperature, top_p=top_p, eos_token_id=eos_token_id,
+        temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
         pad_token_id=pad_token_id, rng=rng, decode_weights=decode_weights)
     return out

@@ -47,7 +47,9 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from aristax.models import generation_config
 from aristax.models.decoder_config import DecoderConfig
+from aristax.models.generation_config import GenerationConfig
 from aristax.sharding import DecoderAxes
 
 if TYPE_CHECKING:
@@ -223,6 +225,16 @@ def read_config_json(directory: str | os.PathLike) -> dict:
     return _read_json(config_path)
 
 
+def read_generation_config(directory: str | os.PathLike, config: DecoderConfig
+                           ) -> GenerationConfig:
+    """The directory's generation_config.json, else one made from ``config`` (as HF's
+    ``from_pretrained``); a CheckpointError where the file is not a JSON object."""
+    path = Path(directory) / generation_config.FILE
+    if not path.exists():
+        return GenerationConfig.from_model_config(config)
+    return GenerationConfig.from_hf(_read_json(path), source=str(path))
+
+
 def load_pretrained(model_class: type[DecoderLM], directory: str | os.PathLike, *,
                     dtype: str | None = None,
                     matmul_precision: str | None = DecoderConfig.matmul_precision,
@@ -285,6 +297,7 @@ def load_pretrained(model_class: type[DecoderLM], directory: str | os.PathLike, 
     if unused:
         warnings.warn(f"{len(unused)} tensors in {directory} were not used: {unused[:8]}",
                       stacklevel=2)
+    model.generation_config = read_generation_config(directory, cfg)
     model.eval()
     return model
 
@@ -396,7 +409,8 @@ def hf_tensors(model: DecoderLM) -> dict[str, np.ndarray]:
 def save_pretrained(
     model: DecoderLM, directory: str | os.PathLike, *, max_shard_bytes: int | None = None
 ) -> None:
-    """Write config.json and safetensors in the layout transformers 5.x writes.
+    """Write config.json, generation_config.json and safetensors in the layout
+    transformers 5.x writes.
 
     With ``max_shard_bytes`` the tensors are split into ``model-0000i-of-0000n``
     shards plus ``model.safetensors.index.json`` (as ``save_pretrained`` shards).
@@ -410,6 +424,8 @@ def save_pretrained(
                   *directory.glob(SHARD_GLOB)]:
         stale.unlink(missing_ok=True)
     (directory / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2))
+    (directory / generation_config.FILE).write_text(
+        json.dumps(model.generation_config.to_hf(), indent=2))
     metadata = {"format": "pt"}
     if max_shard_bytes is None:
         save_file(tensors, str(directory / SINGLE_FILE), metadata=metadata)

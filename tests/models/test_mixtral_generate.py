@@ -100,6 +100,7 @@ def test_sampling(small_pair):
     (dict(max_new_tokens=0), "max_new_tokens"),
     (dict(temperature=-1.0), "temperature"),
     (dict(top_p=0.0), "top_p"),
+    (dict(top_k=-1), "top_k=-1"), (dict(top_k=2.5), "top_k=2.5"),
     (dict(attention_mask=np.array([[1, 1, 0]])), "left-padded"),
     (dict(attention_mask=np.array([[1, 1]])), "shape"),
     (dict(input_ids=np.zeros(3, np.int32)), "input_ids"),
@@ -135,6 +136,7 @@ def _run_cli(argv, capsys):
     (["--ids", "1", "--max-new-tokens", "0"], "--max-new-tokens=0 must be >= 1"),
     (["--ids", "1", "--temperature", "-1"], r"--temperature=-1.0 must be >= 0"),
     (["--ids", "1", "--top-p", "1.5"], r"--top-p=1.5 must be in \(0, 1\]"),
+    (["--ids", "1", "--top-k", "-2"], r"--top-k=-2 must be >= 0"),
     (["--ids", "1", "--dtype", "foo"], "--dtype='foo' is invalid"),
     (["--ids", "1", "999"], r"outside this model's vocabulary \[0, 160\)"),
     (["--text", "w1"], "--text needs .*tokenizer.json"),
@@ -193,6 +195,41 @@ def test_cli_generate_with_text(small_pair, tmp_path, capsys):
     assert "tokens/s" in text and "text: w" in text
 
 
+@pytest.mark.parametrize("top_k", [1, 3, 11, 12, 40])
+def test_top_k_mask_matches_hf_warper(top_k):
+    """Ties at the k-th value are kept, as HF keeps them; k >= V keeps every token."""
+    logits = torch.randn(4, 12, generator=torch.Generator().manual_seed(top_k)).round()
+    ref = transformers.generation.TopKLogitsWarper(top_k)(None, logits.clone()).numpy()
+    ours = np.asarray(gen_lib.top_k_mask(jnp.asarray(logits.numpy()), jnp.int32(top_k)))
+    np.testing.assert_array_equal(ours, ref)
+
+
+def test_sampling_applies_temperature_top_k_then_top_p_like_hf():
+    """HF's warpers in HF's order (temperature, top-k, top-p): 2000 draws per row lie
+    where HF's warped distribution is positive, at its frequencies; top-k 0 is off."""
+    temperature, top_k, top_p, n = 0.8, 4, 0.9, 2000
+    logits = torch.randn(3, 12, generator=torch.Generator().manual_seed(8)) * 0.5
+    warped = logits.clone()
+    for warper in (transformers.generation.TemperatureLogitsWarper(temperature),
+                   transformers.generation.TopKLogitsWarper(top_k),
+                   transformers.generation.TopPLogitsWarper(top_p)):
+        warped = warper(None, warped)
+    ref = torch.softmax(warped, -1).numpy()
+    assert ((ref > 0).sum(-1) > 1).all() and ((ref > 0).sum(-1) <= top_k).all()
+    keys = jax.random.split(jax.random.key(1), n)
+    for k, want in ((top_k, ref), (0, None)):
+        draws = np.asarray(jax.vmap(lambda key: gen_lib.next_token(
+            jnp.asarray(logits.numpy()), key, jnp.float32(temperature), jnp.int32(k),
+            jnp.float32(top_p), True))(keys))  # [n, 3]
+        for row in range(3):
+            freq = np.bincount(draws[:, row], minlength=12) / n
+            if want is not None:
+                assert (want[row, draws[:, row]] > 0).all(), "sampled outside HF's top-k"
+                np.testing.assert_allclose(freq, want[row], atol=0.05)
+            else:  # top-k off: more tokens than k are drawn
+                assert (freq > 0).sum() > top_k
+
+
 def test_generate_is_exported():
     assert generate is gen_lib.generate
 
@@ -212,7 +249,8 @@ def test_sampling_applies_temperature_before_top_p_like_hf():
     assert ((ref > 0).sum(-1) > 1).all()
     keys = jax.random.split(jax.random.key(0), n)
     draws = np.asarray(jax.vmap(lambda k: gen_lib.next_token(
-        jnp.asarray(logits.numpy()), k, jnp.float32(temperature), jnp.float32(top_p),
+        jnp.asarray(logits.numpy()), k, jnp.float32(temperature), jnp.int32(0),
+        jnp.float32(top_p),
         True))(keys))  # [n, 3]
     for row in range(3):
         assert (ref[row, draws[:, row]] > 0).all(), "sampled outside HF's nucleus"

@@ -4,6 +4,7 @@ generation (single prompt and left-padded batch), EOS handling, checkpoint round
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -134,6 +135,72 @@ def test_default_eos_pad_and_inferred_mask_follow_the_config_like_hf(small_pair,
                         pad_token_id=0)
     np.testing.assert_array_equal(ours, explicit)
     assert (ours[0, PROMPT + 4:] == 0).all()
+
+
+def test_generation_config_json_sets_eos_and_sampling_like_hf(small_pair, tmp_path):
+    """A checkpoint's generation_config.json lists an EOS id that config.json does not
+    (as instruct checkpoints do): both stop there with no argument given (aristax read
+    config.json's only: a user trial's 12 tokens against HF's 3). Its sampling
+    settings are the defaults: generate(model, ids, N) samples as they say."""
+    ids = np.random.default_rng(5).integers(3, 100, size=(1, PROMPT))
+    free = hf_generate(small_pair.hf, ids)[0, PROMPT:]
+    extra = int(free[2])
+    never = next(t for t in range(3, 100) if t not in free)
+    assert small_pair.hf.config.eos_token_id is None
+    small_pair.hf.save_pretrained(tmp_path)
+    gen_file = tmp_path / "generation_config.json"
+    gen = {k: v for k, v in json.loads(gen_file.read_text()).items()
+           if k != "_from_model_config"}  # a file of its own, as instruct checkpoints ship
+    gen_file.write_text(json.dumps({**gen, "eos_token_id": [never, extra]}))
+    hf = transformers.MixtralForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    with torch.no_grad():
+        ref = hf.eval().generate(torch.as_tensor(ids), max_new_tokens=NEW).numpy()
+    assert ref.shape[1] == PROMPT + 1 + list(free).index(extra)  # HF stopped there
+    model = Mixtral.from_pretrained(tmp_path)
+    np.testing.assert_array_equal(generate(model, ids, NEW), ref)
+
+    gen_file.write_text(json.dumps({**gen, "do_sample": True, "temperature": 1.7,
+                                    "top_k": 7, "top_p": 0.9}))
+    model = Mixtral.from_pretrained(tmp_path)
+    rng = jax.random.key(4)
+    sampled = generate(model, ids, NEW, rng=rng)
+    np.testing.assert_array_equal(sampled, generate(model, ids, NEW, rng=rng, temperature=1.7,
+                                                    top_k=7, top_p=0.9))
+    assert (sampled != generate(model, ids, NEW, temperature=0.0)).any()
+
+
+def test_generation_config_round_trips_through_hf(small_pair, tmp_path):
+    """save_pretrained writes the model's generation config; HF and aristax read the
+    same settings back."""
+    from aristax.models.generation_config import GenerationConfig
+
+    model = Mixtral.from_pretrained(small_pair.path)
+    model.generation_config = GenerationConfig(do_sample=True, temperature=0.6, top_k=20,
+                                               top_p=0.95, eos_token_id=(2, 7), pad_token_id=0)
+    model.save_pretrained(tmp_path)
+    hf = transformers.GenerationConfig.from_pretrained(tmp_path)
+    assert (hf.do_sample, hf.temperature, hf.top_k, hf.top_p, hf.eos_token_id,
+            hf.pad_token_id) == (True, 0.6, 20, 0.95, [2, 7], 0)
+    assert Mixtral.from_pretrained(tmp_path).generation_config == model.generation_config
+
+
+@pytest.mark.parametrize("entry, error", [
+    ({"repetition_penalty": 1.2}, None), ({"num_beams": 4}, None),
+    ({"temperature": "hot"}, "temperature='hot' must be a JSON number"),
+    ({"do_sample": "false"}, "do_sample='false' must be a JSON boolean"),
+    ({"eos_token_id": [2, 1.5]}, "eos_token_id=1.5"),
+])
+def test_generation_config_settings_not_applied_warn_and_bad_values_are_refused(
+        small_pair, tmp_path, entry, error):
+    small_pair.hf.save_pretrained(tmp_path)
+    gen_file = tmp_path / "generation_config.json"
+    gen_file.write_text(json.dumps({**json.loads(gen_file.read_text()), **entry}))
+    if error is None:
+        with pytest.warns(UserWarning, match=f"sets {entry}.*does not apply"):
+            Mixtral.from_pretrained(tmp_path)
+    else:
+        with pytest.raises(ValueError, match=re.escape(error)):
+            Mixtral.from_pretrained(tmp_path)
 
 
 def test_router_jitter_noise_reaches_router_and_experts(monkeypatch):
