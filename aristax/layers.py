@@ -270,7 +270,9 @@ class MoE(nnx.Module):
     effect at the call), the layer runs ``aristax.parallel.expert_parallel_moe`` over
     it (tokens over ``axes.batch`` and the expert axis). The mesh is ``mesh=`` when
     given, else the one set by ``with jax.set_mesh(mesh):`` (read with
-    ``jax.sharding.get_abstract_mesh()``, so it works inside ``jit``). Otherwise it
+    ``jax.sharding.get_abstract_mesh()``, so it works inside ``jit``); eager
+    gradients on a mesh of Explicit axes (``jax.make_mesh``'s default) need the
+    ``set_mesh`` context, or ``nnx.jit``, as JAX's own Explicit arrays do. Otherwise it
     runs the single-device ``aristax.moe.moe``, warning when a multi-device mesh
     splits none of the expert weights' dimensions (every device would hold them all).
 
