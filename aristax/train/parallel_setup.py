@@ -6,6 +6,7 @@ number of simulated CPU devices and the multi-process runtime.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -56,7 +57,8 @@ def start_processes(cfg: TrainConfig) -> None:
 def make_topology(name: str, num_devices: int, expert_capacity: int = 0) -> Topology:
     """"uniform", a node-count preset of ``aristax.planner.topology.PRESETS``
     ("perlmutter", "dgx_h100") with as many nodes as the devices fill, or a topology
-    JSON file (``Topology.save``)."""
+    JSON file (``Topology.save``). ``expert_capacity`` > 0 replaces the topology's
+    experts per device on every device (a file's too)."""
     capacity = {"expert_capacity": expert_capacity} if expert_capacity else {}
     if name == "uniform":
         return uniform(num_devices, **capacity)
@@ -67,7 +69,11 @@ def make_topology(name: str, num_devices: int, expert_capacity: int = 0) -> Topo
                              f"{num_devices} devices are not whole nodes")
         return PRESETS[name](num_devices // per_node, **capacity)
     if Path(name).is_file():
-        return Topology.load(name)
+        topology = Topology.load(name)
+        if not expert_capacity:
+            return topology
+        return dataclasses.replace(topology, expert_capacity=np.full(
+            topology.num_devices, expert_capacity, np.int64))
     raise ValueError(f"parallel.topology={name!r} is not 'uniform', 'perlmutter', 'dgx_h100' "
                      "or a topology JSON file")
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from cuda_export import dot_precisions
 from flax import nnx
@@ -138,3 +139,18 @@ def test_plan_errors_name_the_parallel_keys(overrides, devices, match):
     cfg = load_config("experiments/configs/tiny.yaml", overrides)
     with pytest.raises(ValueError, match=match):
         plan_and_mesh(cfg, jax.devices()[:devices])
+
+
+def test_expert_capacity_applies_to_a_topology_file(tmp_path):
+    """parallel.expert_capacity replaces a topology file's experts per device as it
+    does a preset's (a user trial found the file's kept: 2 groups instead of 1)."""
+    from aristax.planner.topology import perlmutter
+    from aristax.train.parallel_setup import make_topology
+
+    path = tmp_path / "topology.json"
+    perlmutter(2).save(path)
+    preset = make_topology("perlmutter", 8, expert_capacity=1)
+    from_file = make_topology(str(path), 8, expert_capacity=1)
+    np.testing.assert_array_equal(from_file.expert_capacity, np.ones(8))
+    assert from_file == preset
+    assert make_topology(str(path), 8) == perlmutter(2)
