@@ -177,11 +177,19 @@ def run_identity(cfg: TrainConfig) -> dict[str, Any]:
     return {k: v for k, v in flat.items() if k not in RESUMABLE_CHANGES}
 
 
-def model_vocab(cfg: TrainConfig, data_vocab: int) -> int:
-    """The model's vocabulary: ``model.vocab_size``, else the data's ``data_vocab``
-    (bytes: 256, a tokenizer's, a token array's max id + 1); ConfigError when a set
-    ``model.vocab_size`` is smaller than the data needs."""
+def model_vocab(cfg: TrainConfig, data_vocab: int, saved_vocab: int | None = None) -> int:
+    """The model's vocabulary: ``model.vocab_size``, else the resumed checkpoint's
+    ``saved_vocab`` (the data's when it was written), else the data's ``data_vocab``
+    (bytes: 256, a tokenizer's, a token array's max id + 1); ConfigError when the
+    vocabulary is smaller than the data needs."""
     size = cfg.model.vocab_size
+    if size is None and saved_vocab is not None:
+        if saved_vocab < data_vocab:
+            raise ConfigError(f"data.source={cfg.data.source!r} now needs a vocabulary of "
+                              f"{data_vocab} (its largest token id + 1, or its tokenizer's) "
+                              f"but the checkpointed run's model has {saved_vocab}, which "
+                              "a resume cannot widen: resume on ids below it")
+        return saved_vocab
     if size is None:
         return data_vocab
     if size < data_vocab:
@@ -192,10 +200,10 @@ def model_vocab(cfg: TrainConfig, data_vocab: int) -> int:
     return size
 
 
-def data_fingerprint(cfg: TrainConfig, tokens: np.ndarray) -> dict[str, str]:
-    """What a checkpoint records of its training data: the source and a checksum of
-    its token ids."""
-    return {"source": cfg.data.source, "checksum": checksum(tokens)}
+def data_fingerprint(cfg: TrainConfig, tokens: np.ndarray, vocab: int) -> dict:
+    """What a checkpoint records of its training data: the source, a checksum of its
+    token ids and the model's vocabulary on them."""
+    return {"source": cfg.data.source, "checksum": checksum(tokens), "vocab": vocab}
 
 
 def _resume_step(cfg: TrainConfig, ckpt: Checkpointer) -> int | None:
@@ -235,17 +243,23 @@ def _check_same_data(cfg: TrainConfig, meta: dict, fingerprint: dict[str, str]) 
         "checkpoint.accept_changed_data=true to continue on these")
 
 
-def start_step_and_data(cfg: TrainConfig, ckpt: Checkpointer, model, optimizer,
-                        fingerprint: dict[str, str]):
-    """(first step, data iterator state, later checkpoints deleted, the checkpointed
-    run's ``steps``) of the run: 0, None, [], None for a fresh run in an ``out_dir``
-    without checkpoints; else the checkpoint's (the latest, or ``checkpoint.step``),
-    restored into ``model`` and ``optimizer`` after checking it belongs to this config
-    and data, and verifying its checksums."""
+def resumed_meta(cfg: TrainConfig, ckpt: Checkpointer) -> dict | None:
+    """The meta of the checkpoint the run continues from (``_resume_step``), None for
+    a fresh run."""
     step = _resume_step(cfg, ckpt)
-    if step is None:
+    return None if step is None else ckpt.meta(step)
+
+
+def start_step_and_data(cfg: TrainConfig, ckpt: Checkpointer, model, optimizer,
+                        fingerprint: dict, meta: dict | None):
+    """(first step, data iterator state, later checkpoints deleted, the checkpointed
+    run's ``steps``) of the run: 0, None, [], None for a fresh run (``meta`` None);
+    else the checkpoint's of ``meta`` (``resumed_meta``), restored into ``model`` and
+    ``optimizer`` after checking it belongs to this config and data, and verifying
+    its checksums."""
+    if meta is None:
         return 0, None, [], None
-    meta = ckpt.meta(step)
+    step = int(meta["step"])
     saved = meta.get("config")
     if saved is not None:
         now = run_identity(cfg)
@@ -312,7 +326,10 @@ def _set_up(cfg: TrainConfig) -> _Run:
     m = cfg.model
     check_batch_split(cfg, mesh, nproc)
     tokens, data_vocab = data_lib.read_tokens(cfg.data, m.vocab_size or 0)
-    vocab = model_vocab(cfg, data_vocab)
+    ckpt = Checkpointer(Path(cfg.out_dir) / "checkpoints", keep=cfg.checkpoint.keep)
+    meta = resumed_meta(cfg, ckpt)
+    vocab = model_vocab(cfg, data_vocab, None if meta is None
+                        else meta.get("data", {}).get("vocab"))
     train_tokens, held_out = data_lib.split(tokens, cfg.data.held_out_fraction, m.seq_len)
     model = build_model(cfg, vocab, mesh, plan)
     optimizer = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
@@ -322,11 +339,10 @@ def _set_up(cfg: TrainConfig) -> _Run:
     if proc == 0:
         check_free_space(Path(cfg.out_dir), sum(
             getattr(a, "nbytes", 0) for a in jax.tree.leaves(_state_dict(model, optimizer))))
-    ckpt = Checkpointer(Path(cfg.out_dir) / "checkpoints", keep=cfg.checkpoint.keep,
-                        expert_perm=options.get("expert_perm"))
-    fingerprint = data_fingerprint(cfg, tokens)
+    ckpt.expert_perm = options.get("expert_perm")
+    fingerprint = data_fingerprint(cfg, tokens, vocab)
     start_step, data_state, deleted, saved_steps = start_step_and_data(
-        cfg, ckpt, model, optimizer, fingerprint)
+        cfg, ckpt, model, optimizer, fingerprint, meta)
     stream = data_lib.batches(train_tokens, m.seq_len, cfg.data.batch_size // nproc,
                               seed=cfg.data.seed, process_index=proc, process_count=nproc,
                               state=data_state)

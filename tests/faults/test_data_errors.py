@@ -91,5 +91,6 @@ def test_a_set_vocab_size_below_the_data_ids_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"model.vocab_size=100 .* needs 200"):
         model_vocab(cfg, 200)
     assert model_vocab(load_config("experiments/configs/tiny.yaml", []), 200) == 200
+    assert model_vocab(load_config("experiments/configs/tiny.yaml", []), 150, 200) == 200
     assert model_vocab(load_config("experiments/configs/tiny.yaml", ["model.vocab_size=300"]),
                        200) == 300

@@ -296,7 +296,10 @@ def test_a_too_small_disk_is_refused_at_start(tmp_path):
 
 def test_changed_data_is_refused_unless_accepted(tmp_path):
     """The tokens decide, not the path: the same tokens moved elsewhere resume; other
-    tokens under the same path are refused unless accepted."""
+    tokens under the same path are refused unless accepted. Accepted tokens of a
+    smaller largest id keep the checkpoint's inferred vocabulary (a user trial found
+    the embedding's shape refused, and model.vocab_size refused as a config change);
+    larger ids than it holds are refused naming it."""
     tokens = tmp_path / "tokens.npy"
     rng = np.random.default_rng(0)
     np.save(tokens, rng.integers(0, 200, 40_000).astype(np.int32))
@@ -308,13 +311,17 @@ def test_changed_data_is_refused_unless_accepted(tmp_path):
     code, _, err = run(out, "steps=3", *common, f"data.source={moved}",
                        "checkpoint.resume=true")
     assert code == 0, err[-3000:]
-    np.save(moved, rng.integers(0, 200, 40_000).astype(np.int32))  # same path, new ids
+    np.save(moved, rng.integers(0, 150, 40_000).astype(np.int32))  # same path, new ids
     changed = [*common, f"data.source={moved}", "checkpoint.resume=true", "steps=4"]
     code, _, err = run(out, *changed)
     line = one_line(err)
     assert code == 2 and str(moved) in line and "checkpoint.accept_changed_data=true" in line
     code, _, err = run(out, *changed, "checkpoint.accept_changed_data=true")
     assert code == 0, err[-3000:]
+    np.save(moved, rng.integers(0, 300, 40_000).astype(np.int32))
+    code, _, err = run(out, *changed[:-1], "steps=5", "checkpoint.accept_changed_data=true")
+    assert code == 2 and re.search(r"now needs a vocabulary of 300 .* has 200",
+                                   one_line(err)), err[-3000:]
 
 
 def test_a_diverged_run_writes_no_checkpoint_and_strict_metrics(tmp_path):
