@@ -98,6 +98,9 @@ def read_tokens(cfg: DataConfig, vocab_size: int = 0) -> tuple[np.ndarray, int]:
     ``max(vocab_size, MAX_INFERRED_VOCAB)`` (see :func:`check_token_array`)."""
     source = cfg.source
     if source.endswith(".npy"):
+        if cfg.tokenizer is not None:
+            raise ValueError(f"data.tokenizer={cfg.tokenizer!r} tokenizes text, and "
+                             f"data.source={source!r} holds token ids: unset data.tokenizer")
         array = load_npy(source)
         vocab = check_token_array(source, array, vocab_size)
         return array.astype(np.int32).reshape(-1), vocab

@@ -61,6 +61,14 @@ def test_an_inferred_vocabulary_above_2_to_the_21_is_refused(tmp_path):
     assert read_tokens(DataConfig(source=big), 5_000_001)[1] == 5_000_001
 
 
+def test_a_tokenizer_for_token_ids_is_refused(tmp_path):
+    """data.tokenizer with a .npy source was silently unused (a user trial)."""
+    path = saved(tmp_path, np.array([1, 2, 3], np.int32))
+    with pytest.raises(ValueError, match=r"data.tokenizer='tok.json' tokenizes text, and "
+                                         r"data.source=.*tokens.npy' holds token ids"):
+        read_tokens(DataConfig(source=path, tokenizer="tok.json"))
+
+
 def test_negative_ids_name_the_minimum(tmp_path):
     path = saved(tmp_path, np.array([3, -7, 2], np.int64))
     with pytest.raises(ValueError, match=r"negative token ids \(min -7\)"):
