@@ -66,9 +66,13 @@ def process_env(process_id: int, num_processes: int, port: int) -> dict[str, str
     return env
 
 
-def check_processes(num_processes: int, devices: int) -> None:
+def check_processes(num_processes: int, devices: int, grace: float = 10.0) -> None:
     """ValueError unless ``num_processes`` processes can share ``devices`` CPU devices
-    (``parallel.devices``; 0: each process keeps its own count)."""
+    (``parallel.devices``; 0: each process keeps its own count) and ``grace`` is a
+    number of seconds >= 0."""
+    if not grace >= 0 or grace == float("inf"):  # not NaN, not negative
+        raise ValueError(f"--grace={grace} must be a finite number of seconds >= 0 (the "
+                         "time the processes have to checkpoint after a SIGTERM)")
     if num_processes < 1:
         raise ValueError(f"--local-processes={num_processes} must be >= 1: give the number "
                          "of processes to start")
@@ -97,7 +101,7 @@ def launch(config: str, overrides: Sequence[str], num_processes: int, *, out_dir
     finished, 128 + the signal number after forwarding a SIGTERM/SIGINT; raises
     RuntimeError naming the first process that failed (after stopping the others).
     """
-    check_processes(num_processes, devices)
+    check_processes(num_processes, devices, grace)
     with run_lock(out_dir):
         signals = StopSignals()
         try:

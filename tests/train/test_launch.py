@@ -86,9 +86,15 @@ def test_bad_process_counts_are_cli_errors_before_any_process_starts(tmp_path, m
     config = str(ROOT / "experiments" / "configs" / "tiny.yaml")
     cases = {("0", "parallel.devices=8"): "--local-processes=0 must be >= 1",
              ("3", "parallel.devices=8"): "parallel.devices=8 is not divisible by "
-                                          "--local-processes=3"}
-    for (n, devices), message in cases.items():
-        argv = ["launch", "--local-processes", n, config, devices, f"out_dir={tmp_path / 'run'}"]
+                                          "--local-processes=3",
+             # a SIGTERM then killed the processes at once, before any checkpoint
+             ("2", "--grace=-1"): "--grace=-1.0 must be a finite number of seconds >= 0",
+             ("2", "--grace=nan"): "--grace=nan must be"}
+    for (n, option), message in cases.items():
+        devices = option if option.startswith("parallel") else "parallel.devices=8"
+        grace = [option] if option.startswith("--grace") else []
+        argv = ["launch", "--local-processes", n, *grace, config, devices,
+                f"out_dir={tmp_path / 'run'}"]
         assert cli.main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith("aristax launch: ") and message in err
