@@ -66,7 +66,7 @@ def _check_flags(args: argparse.Namespace) -> None:
     """The flags' ranges, before the checkpoint is read."""
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
-    if args.temperature is not None and args.temperature < 0:
+    if args.temperature is not None and not args.temperature >= 0:  # NaN too
         raise ValueError(f"--temperature={args.temperature} must be >= 0 (0 = greedy)")
     if args.top_k is not None and args.top_k < 0:
         raise ValueError(f"--top-k={args.top_k} must be >= 0 (0 = off)")

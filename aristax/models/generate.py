@@ -177,7 +177,7 @@ def _check_arguments(ids: np.ndarray, max_new_tokens, temperature, top_k, top_p,
                          f"{ids.dtype}{list(ids.shape)}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
-    if temperature < 0:
+    if not temperature >= 0:  # NaN too
         raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
     if not isinstance(top_k, (int, np.integer)) or isinstance(top_k, bool) or top_k < 0:
         raise ValueError(f"top_k={top_k!r} must be an integer >= 0 (0 = off)")
@@ -241,20 +241,21 @@ def _special_ids(model: DecoderLM, eos_token_id, pad_token_id
                  ) -> tuple[tuple[int, ...], int | None]:
     """(EOS ids, pad id or None) as Hugging Face resolves them: the generation
     config's, else the model config's, where not given; the pad id falling back to
-    the first EOS id. Given EOS ids outside the vocabulary, which no step can
-    produce, are refused."""
-    vocab = model.config.vocab_size
-    if eos_token_id is not None:
-        outside = [int(e) for e in np.atleast_1d(eos_token_id) if not 0 <= int(e) < vocab]
-        if outside:
-            raise ValueError(f"eos_token_id {outside[0]} is outside this model's vocabulary "
-                             f"[0, {vocab}), so generation would never stop at it; give "
-                             f"an id in range, or none (() here, -1 on the command line)")
+    the first EOS id. EOS ids outside the vocabulary, which no step can produce, are
+    refused, given or read from the configs."""
+    given = eos_token_id is not None
     gen = _generation_config(model)
     for source in (gen, model.config):
         eos_token_id = source.eos_token_id if eos_token_id is None else eos_token_id
         pad_token_id = source.pad_token_id if pad_token_id is None else pad_token_id
     eos = () if eos_token_id is None else tuple(int(e) for e in np.atleast_1d(eos_token_id))
+    vocab = model.config.vocab_size
+    outside = [e for e in eos if not 0 <= e < vocab]
+    if outside:
+        where = "" if given else " (the model's generation config or config.json)"
+        raise ValueError(f"eos_token_id {outside[0]}{where} is outside this model's "
+                         f"vocabulary [0, {vocab}), so generation would never stop at it; "
+                         "give an id in range, or none (() here, -1 on the command line)")
     if pad_token_id is None and eos:
         pad_token_id = eos[0]
     return eos, pad_token_id

@@ -98,7 +98,7 @@ def test_sampling(small_pair):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(max_new_tokens=0), "max_new_tokens"),
-    (dict(temperature=-1.0), "temperature"),
+    (dict(temperature=-1.0), "temperature"), (dict(temperature=float("nan")), "temperature"),
     (dict(top_p=0.0), "top_p"),
     (dict(top_k=-1), "top_k=-1"), (dict(top_k=2.5), "top_k=2.5"),
     (dict(attention_mask=np.array([[1, 1, 0]])), "left-padded"),
@@ -135,6 +135,8 @@ def _run_cli(argv, capsys):
 @pytest.mark.parametrize("argv, match", [
     (["--ids", "1", "--max-new-tokens", "0"], "--max-new-tokens=0 must be >= 1"),
     (["--ids", "1", "--temperature", "-1"], r"--temperature=-1.0 must be >= 0"),
+    # NaN passed `< 0` and decoded greedily
+    (["--ids", "1", "--temperature", "nan"], r"--temperature=nan must be >= 0"),
     (["--ids", "1", "--top-p", "1.5"], r"--top-p=1.5 must be in \(0, 1\]"),
     (["--ids", "1", "--top-k", "-2"], r"--top-k=-2 must be >= 0"),
     (["--ids", "1", "--dtype", "foo"], "--dtype='foo' is invalid"),

@@ -189,6 +189,8 @@ def test_generation_config_round_trips_through_hf(small_pair, tmp_path):
     ({"temperature": "hot"}, "temperature='hot' must be a JSON number"),
     ({"do_sample": "false"}, "do_sample='false' must be a JSON boolean"),
     ({"eos_token_id": [2, 1.5]}, "eos_token_id=1.5"),
+    ({"eos_token_id": 999}, "eos_token_id 999 (the model's generation config or config.json)"
+                            " is outside this model's vocabulary [0, 160)"),
 ])
 def test_generation_config_settings_not_applied_warn_and_bad_values_are_refused(
         small_pair, tmp_path, entry, error):
@@ -198,9 +200,9 @@ def test_generation_config_settings_not_applied_warn_and_bad_values_are_refused(
     if error is None:
         with pytest.warns(UserWarning, match=f"sets {entry}.*does not apply"):
             Mixtral.from_pretrained(tmp_path)
-    else:
+    else:  # at load, or (an EOS id) at generate
         with pytest.raises(ValueError, match=re.escape(error)):
-            Mixtral.from_pretrained(tmp_path)
+            generate(Mixtral.from_pretrained(tmp_path), np.ones((1, 3), np.int32), 2)
 
 
 def test_router_jitter_noise_reaches_router_and_experts(monkeypatch):
