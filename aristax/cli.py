@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 import threading
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -94,9 +95,20 @@ def one_line(text: str) -> str:
     return re.sub(r"\s*\n\s*", " ", text.strip())
 
 
+def backend_failed(err: AssertionError) -> bool:
+    """Whether JAX's backend start-up asserted: what a JAX_PLATFORMS naming a platform
+    whose plugin is not installed (``cuda`` on a CPU-only JAX) raises."""
+    return any(frame.filename.endswith("xla_bridge.py")
+               for frame in traceback.extract_tb(err.__traceback__))
+
+
 def describe(err: BaseException) -> str:
     """One line saying what went wrong: the message, or for an OS error on a file
     "FILE: reason" (without the errno), or the error's type where it has no message."""
+    if isinstance(err, AssertionError):  # backend_failed
+        return (f"JAX could not start a backend of JAX_PLATFORMS="
+                f"{os.environ.get('JAX_PLATFORMS', '')!r} on this machine: name one its JAX "
+                "has (cpu, or cuda with jax[cuda] installed), or unset it")
     if isinstance(err, OSError) and err.filename is not None and err.strerror:
         return f"{err.filename}: {err.strerror}"
     if isinstance(err, KeyboardInterrupt):
@@ -108,7 +120,7 @@ def exit_status(err: BaseException) -> int:
     """2 for a user error, 130 for Ctrl-C, 1 for a failure at run time."""
     if isinstance(err, KeyboardInterrupt):
         return 130
-    return 2 if isinstance(err, USER_ERRORS) else 1
+    return 2 if isinstance(err, (*USER_ERRORS, AssertionError)) else 1
 
 
 def debugging(flag: bool = False) -> bool:
@@ -124,8 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     undo = (lambda: None) if debugging(args.debug) else silence_background_errors()
     try:
         result = args.func(args)
-    except (*USER_ERRORS, *RUN_ERRORS, KeyboardInterrupt) as err:
-        if debugging(args.debug):
+    except (*USER_ERRORS, *RUN_ERRORS, KeyboardInterrupt, AssertionError) as err:
+        if debugging(args.debug) or (isinstance(err, AssertionError)
+                                     and not backend_failed(err)):
             raise
         print(f"aristax {args.command}: {describe(err)}", file=sys.stderr)
         return exit_status(err)

@@ -26,10 +26,11 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "experiments" / "configs" / "tiny.yaml")
 
 
-def aristax(*argv: str, debug_env: bool = False) -> subprocess.CompletedProcess:
-    """``python -m aristax ARGV`` on the CPU, from the repository root."""
+def aristax(*argv: str, debug_env: bool = False, platforms: str = "cpu"
+            ) -> subprocess.CompletedProcess:
+    """``python -m aristax ARGV`` on the CPU (JAX_PLATFORMS), from the repository root."""
     env = {k: v for k, v in os.environ.items() if k != "ARISTAX_DEBUG"}
-    env["JAX_PLATFORMS"] = "cpu"
+    env["JAX_PLATFORMS"] = platforms
     if debug_env:
         env["ARISTAX_DEBUG"] = "1"
     return subprocess.run([sys.executable, "-m", "aristax", *argv], cwd=ROOT, env=env,
@@ -124,6 +125,18 @@ def test_train_source_that_is_not_a_npy_file(tmp_path):
     run = aristax("train", TINY, f"data.source={fake}", f"out_dir={tmp_path / 'run'}")
     line = one_line_error(run, "train")
     assert str(fake) in line and "is not a NumPy .npy array file" in line, line
+
+
+def test_a_jax_platform_not_installed_is_one_line(tmp_path):
+    """JAX_PLATFORMS=cuda on a JAX without its plugin: JAX asserts while starting the
+    backend, which printed a 28-line traceback (a user trial)."""
+    import importlib.util
+
+    if importlib.util.find_spec("jax_plugins") is not None:
+        pytest.skip("a JAX plugin is installed: cuda may start here")
+    run = aristax("train", TINY, "steps=1", f"out_dir={tmp_path / 'run'}", platforms="cuda")
+    line = one_line_error(run, "train")
+    assert "JAX_PLATFORMS='cuda'" in line and "unset it" in line, line
 
 
 # ------------------------------------------------------------------ debugging
