@@ -247,7 +247,18 @@ def _jitter_key(rngs: nnx.Rngs | nnx.RngStream | jax.Array | None) -> jax.Array:
 FROM_HF_MODULE_OPTIONS = ("mesh", "plan", "deterministic", "axes")
 
 
-class MoE(nnx.Module):
+class JitterView:
+    """``set_view`` of a module with a ``deterministic`` jitter switch, so that
+    ``nnx.view(model, deterministic=True)`` (Flax's eval idiom) reaches it as it
+    reaches ``nnx.Dropout``."""
+
+    def set_view(self, deterministic: bool | None = None):
+        """deterministic: True turns the module's jitter off, False on (None: as is)."""
+        if deterministic is not None:
+            self.deterministic = deterministic
+
+
+class MoE(JitterView, nnx.Module):
     """A Mixture-of-Experts layer: ``y, aux = moe(x)`` for x[..., D].
 
     ``aux`` holds ``loss`` (the weighted auxiliary losses to add to the training loss),
@@ -256,7 +267,7 @@ class MoE(nnx.Module):
 
     Router jitter (``config.router_jitter > 0``) is applied unless the layer is
     deterministic: ``deterministic=`` of the call, else of the constructor (set by
-    ``module.eval()`` / ``module.train()``). It draws from the first RNG stream of
+    ``module.eval()`` / ``module.train()``, or ``nnx.view(module, deterministic=...)``). It draws from the first RNG stream of
     ``JITTER_STREAMS`` that ``rngs`` holds ("jitter", else "dropout", else "default":
     ``nnx.Rngs(params=0, dropout=1)`` jitters from "dropout"), or from ``rngs=`` of the
     call (an ``nnx.Rngs``, a stream or a key).

@@ -37,7 +37,7 @@ from flax import nnx
 from aristax import MoE, MoEConfig
 from aristax import routing as routing_lib
 from aristax.config import RouterConfig
-from aristax.layers import jitter_stream
+from aristax.layers import JitterView, jitter_stream
 from aristax.models import hf, sparse_moe
 from aristax.models.decoder_config import DecoderConfig
 from aristax.models.generation_config import GenerationConfig
@@ -357,7 +357,7 @@ class DenseMLP(nnx.Module):
         return jnp.asarray(gate_up.T), jnp.asarray(self.down_fd[...].T)
 
 
-class DecoderLayer(nnx.Module):
+class DecoderLayer(JitterView, nnx.Module):
     """x + attn(norm(x)), then h + mlp(norm(h)) (HF ``MixtralDecoderLayer``,
     ``Qwen3MoeDecoderLayer``), the MLP an ``aristax.MoE`` block (``moe``; ``mlp`` None)
     when ``sparse``, else a ``DenseMLP`` of width ``config.intermediate_size`` (``mlp``;

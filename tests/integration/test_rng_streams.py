@@ -35,6 +35,31 @@ def test_nnx_layer_jitters_from_the_dropout_stream():
     close(MoE(CFG, rngs=nnx.Rngs(params=0, dropout=1), deterministic=True)(X)[0])
 
 
+def test_nnx_view_deterministic_turns_jitter_off_beside_dropout():
+    """Flax's eval idiom ``nnx.view(model, deterministic=True)`` reaches the layer as
+    it reaches nnx.Dropout (a user trial: Dropout switched, the MoE kept jittering,
+    and nnx.view raised nothing since Dropout used the key); ``False`` turns it on."""
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+            self.moe = MoE(CFG, rngs=rngs)
+
+        def __call__(self, x):
+            return self.moe(self.drop(x))[0]
+
+    block = Block(nnx.Rngs(params=0, dropout=1))
+    plain = without_jitter(block.moe)[0].reshape(X.shape)
+    ev = nnx.view(block, deterministic=True)
+    assert ev.drop.deterministic and ev.moe.deterministic
+    np.testing.assert_allclose(ev(X), plain, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(ev(X), ev(X), rtol=1e-6)
+    layer = MoE(CFG, rngs=nnx.Rngs(params=0, dropout=1))
+    layer.eval()
+    layer = nnx.view(layer, deterministic=False)
+    assert not np.allclose(layer(X)[0], layer(X)[0])
+
+
 def test_nnx_stream_order_and_call_time_rngs():
     a = MoE(CFG, rngs=nnx.Rngs(params=0, jitter=5, dropout=1))
     b = MoE(CFG, rngs=nnx.Rngs(params=0, jitter=5, dropout=2))
