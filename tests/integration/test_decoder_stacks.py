@@ -171,3 +171,28 @@ def test_linen_scanned_remat_decoder_under_logical_axis_rules():
     assert_trees_close(nn.unbox(grads), want_grads)
     other_loss = jax.jit(linen_loss)(plain, TOKENS, jax.random.key(4))
     assert float(other_loss) != float(want_loss)  # the dropout key reaches the jitter
+
+
+def test_a_layer_stack_refuses_logical_params_naming_the_per_layer_recipe():
+    """logical_params()/load_logical_params() of an nnx.vmap stack: they compared the
+    [L, E] layout with [E] and reported a plan mismatch there was none (a user trial);
+    now they name the per-layer map, which round-trips the weights."""
+    def stack(seed):
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return MoE(CFG, rngs=rngs)
+        return make(nnx.Rngs(seed))
+
+    layers, other = stack(0), stack(1)
+    with pytest.raises(ValueError, match=r"a stack of layers \(3,\).*nnx.vmap\(lambda layer: "
+                                         r"layer.logical_params\(\)"):
+        layers.logical_params()
+    with pytest.raises(ValueError, match=r"layer.load_logical_params\(params\).*\(stack, params"):
+        other.load_logical_params(layers.params())
+    logical = nnx.vmap(lambda layer: layer.logical_params(), in_axes=0, out_axes=0)(layers)
+    assert logical.up_edf.shape == (3, CFG.num_experts, CFG.d_model, CFG.d_ff)
+    nnx.vmap(lambda layer, p: layer.load_logical_params(p), in_axes=0, out_axes=0)(other,
+                                                                                   logical)
+    for got, want in zip(jax.tree.leaves(other.params()), jax.tree.leaves(layers.params())):
+        np.testing.assert_array_equal(got, want)
