@@ -490,10 +490,14 @@ class MoE(JitterView, nnx.Module):
 
     def __call__(self, x: jax.Array, *, deterministic: bool | None = None,
                  rngs: nnx.Rngs | nnx.RngStream | jax.Array | None = None,
+                 seq_len: int | None = None,
                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """y [..., D], aux for x [..., D]. ``deterministic``: no router jitter (None: the
         layer's ``deterministic``). ``rngs``: where this call's jitter comes from (None:
-        the stream the layer took at construction)."""
+        the stream the layer took at construction). ``seq_len``: tokens per sequence
+        for the sequence-wise balance loss, each sequence's tokens consecutive in x's
+        row-major order (None: S of x [..., S, D]; for x [T, D], one sequence); give
+        it for flattened [B*S, D] tokens, and make time-major [S, B, D] batch-major."""
         cfg = self.config
         check_array(x)
         if x.ndim < 1 or x.shape[-1] != cfg.d_model:
@@ -503,7 +507,8 @@ class MoE(JitterView, nnx.Module):
             )
         check_layout(self.expert_layout[...], self.expected_layout())
         lead = x.shape[:-1]
-        seq_len = lead[-1] if len(lead) >= 2 else None
+        if seq_len is None:
+            seq_len = lead[-1] if len(lead) >= 2 else None
         deterministic = self.deterministic if deterministic is None else deterministic
         jitter_rng = None
         if cfg.router_jitter > 0 and not deterministic:

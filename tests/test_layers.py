@@ -205,3 +205,27 @@ def test_layer_falls_back_to_the_reference_where_a_named_backend_refuses(kernel_
 def test_wrong_argument_types_name_the_argument(build, message):
     with pytest.raises(TypeError, match=message):
         build()
+
+
+def test_seq_len_for_flattened_tokens_in_the_nnx_and_linen_layers():
+    """The sequence-wise balance loss of [B*S, D] tokens given seq_len=S equals that of
+    [B, S, D] (without it, x [T, D] is one sequence; a user trial found no way to say
+    S for flattened tokens: a different loss, silently)."""
+    from aristax import moe
+
+    cfg = MoEConfig(num_experts=4, top_k=2, d_model=8, d_ff=16, seq_aux_loss_coef=1.0)
+    layer = MoE(cfg, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (3, 5, 8))
+    flat = x.reshape(15, 8)
+    want = moe(flat, layer.params(), cfg, seq_len=5)[1]["seq_aux_loss"]
+    one_sequence = moe(flat, layer.params(), cfg)[1]["seq_aux_loss"]
+    assert abs(float(want) - float(one_sequence)) > 1e-4  # the split matters here
+    for got in (layer(x)[1], layer(flat, seq_len=5)[1]):
+        np.testing.assert_allclose(got["seq_aux_loss"], want, rtol=1e-6)
+    np.testing.assert_allclose(layer(flat)[1]["seq_aux_loss"], one_sequence, rtol=1e-6)
+    with pytest.raises(ValueError, match="seq_len=4 must be a positive divisor"):
+        layer(flat, seq_len=4)
+    bridged = moe_linen(cfg)
+    variables = bridged.init(jax.random.key(0), x)
+    np.testing.assert_allclose(bridged.apply(variables, flat, seq_len=5)[1]["seq_aux_loss"],
+                               bridged.apply(variables, x)[1]["seq_aux_loss"], rtol=1e-6)
