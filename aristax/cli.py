@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -134,6 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     errors print one line to stderr unless debugging (see the module docstring)."""
     args = build_parser().parse_args(argv)
     undo = (lambda: None) if debugging(args.debug) else silence_background_errors()
+    shown = warnings.showwarning
+    if not debugging(args.debug):  # a warning as one line too, without its source line
+        warnings.showwarning = lambda message, category, *rest: print(
+            f"aristax {args.command}: {category.__name__}: {one_line(str(message))}",
+            file=sys.stderr)
     try:
         result = args.func(args)
     except (*USER_ERRORS, *RUN_ERRORS, KeyboardInterrupt, AssertionError) as err:
@@ -144,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         return exit_status(err)
     finally:
         undo()
+        warnings.showwarning = shown
     return result if isinstance(result, int) else 0
 
 

@@ -165,3 +165,21 @@ def test_run_time_failures_are_one_line(monkeypatch, capsys, error, code):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("aristax plan: "), err
     assert err.strip() == f"aristax plan: {' '.join(str(error).split()) or 'interrupted'}"
+
+
+def test_a_warning_is_one_line_too(monkeypatch, capsys):
+    """A library warning during a command (e.g. generation_config.json settings not
+    applied) printed Python's two lines with its source line (a user trial)."""
+    import warnings
+
+    def warn_then_fail(*args, **kwargs):
+        warnings.warn("a setting\nnot applied", UserWarning)
+        raise ValueError("stop here")
+
+    monkeypatch.delenv("ARISTAX_DEBUG", raising=False)
+    monkeypatch.setattr(planner_cli, "make_plan", warn_then_fail)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        assert cli.main(["plan", "perlmutter:1"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "aristax plan: UserWarning: a setting not applied", "aristax plan: stop here"]
