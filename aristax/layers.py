@@ -267,10 +267,11 @@ class MoE(JitterView, nnx.Module):
 
     Router jitter (``config.router_jitter > 0``) is applied unless the layer is
     deterministic: ``deterministic=`` of the call, else of the constructor (set by
-    ``module.eval()`` / ``module.train()``, or ``nnx.view(module, deterministic=...)``). It draws from the first RNG stream of
-    ``JITTER_STREAMS`` that ``rngs`` holds ("jitter", else "dropout", else "default":
-    ``nnx.Rngs(params=0, dropout=1)`` jitters from "dropout"), or from ``rngs=`` of the
-    call (an ``nnx.Rngs``, a stream or a key).
+    ``module.eval()`` / ``module.train()``, or ``nnx.view(module, deterministic=...)``).
+    It draws from the first RNG stream of ``JITTER_STREAMS`` that ``rngs`` holds
+    ("jitter", else "dropout", else "default": ``nnx.Rngs(params=0, dropout=1)``
+    jitters from "dropout"), or from ``rngs=`` of the call (an ``nnx.Rngs``, a stream
+    or a key).
 
     Sharding: ``axes`` (``aristax.sharding.MoEAxes``) names the axes each weight
     dimension is split over -- mesh axes, or logical names that Flax's logical axis

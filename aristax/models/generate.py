@@ -7,11 +7,11 @@ Left-padded batches follow Hugging Face ``generate``: position ids are
 ``cumsum(attention_mask) - 1`` (0 on padding), padding keys are masked, each new token
 takes the next position of its row, and rows that emitted an EOS token continue with
 ``pad_token_id`` until every row is done (then generation stops early). As there, the
-EOS and pad ids default to the model config's, and without an ``attention_mask`` one
-is inferred from the pad id when the prompts hold it (and it is not an EOS id). And as
-there, the arguments left out are the model's ``generation_config`` (a checkpoint's
-generation_config.json; ``aristax.models.generation_config``): its EOS and pad ids, and
-whether and how it samples (HF's defaults: greedy; when sampling, top-k 50).
+EOS and pad ids, and whether and how to sample, default to the model's
+``generation_config`` (a checkpoint's generation_config.json, else made from its
+config.json: ``aristax.models.generation_config``; HF's defaults: greedy, and when
+sampling top-k 50), and without an ``attention_mask`` one is inferred from the pad id
+when the prompts hold it (and it is not an EOS id).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import numpy as np
 from flax import nnx
 
 from aristax.models.decoder import DecodeWeights, DecoderLM, KVCache, check_token_ids
-from aristax.models.generation_config import GenerationConfig
 
 
 # --------------------------------------------------------------------- sampling
@@ -220,17 +219,10 @@ def _prompt_mask(ids: np.ndarray, attention_mask, pad: int | None,
     return mask
 
 
-def _generation_config(model: DecoderLM) -> GenerationConfig:
-    """The model's ``generation_config`` (one made from its config for a model that
-    has none)."""
-    gen = getattr(model, "generation_config", None)
-    return GenerationConfig.from_model_config(model.config) if gen is None else gen
-
-
 def _sampling(model: DecoderLM, temperature, top_k, top_p) -> tuple[float, int, float]:
     """(temperature, top_k, top_p), each the model's generation config's where None:
     its temperature when it samples (``do_sample``), else 0 (greedy)."""
-    gen = _generation_config(model)
+    gen = model.generation_config
     if temperature is None:
         temperature = gen.temperature if gen.do_sample else 0.0
     return (temperature, gen.top_k if top_k is None else top_k,
@@ -244,7 +236,7 @@ def _special_ids(model: DecoderLM, eos_token_id, pad_token_id
     the first EOS id. EOS ids outside the vocabulary, which no step can produce, are
     refused, given or read from the configs."""
     given = eos_token_id is not None
-    gen = _generation_config(model)
+    gen = model.generation_config
     for source in (gen, model.config):
         eos_token_id = source.eos_token_id if eos_token_id is None else eos_token_id
         pad_token_id = source.pad_token_id if pad_token_id is None else pad_token_id

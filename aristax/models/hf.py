@@ -49,7 +49,6 @@ from safetensors.numpy import save_file
 
 from aristax.models import generation_config
 from aristax.models.decoder_config import DecoderConfig
-from aristax.models.generation_config import GenerationConfig
 from aristax.sharding import DecoderAxes
 
 if TYPE_CHECKING:
@@ -226,13 +225,13 @@ def read_config_json(directory: str | os.PathLike) -> dict:
 
 
 def read_generation_config(directory: str | os.PathLike, config: DecoderConfig
-                           ) -> GenerationConfig:
+                           ) -> generation_config.GenerationConfig:
     """The directory's generation_config.json, else one made from ``config`` (as HF's
     ``from_pretrained``); a CheckpointError where the file is not a JSON object."""
     path = Path(directory) / generation_config.FILE
     if not path.exists():
-        return GenerationConfig.from_model_config(config)
-    return GenerationConfig.from_hf(_read_json(path), source=str(path))
+        return generation_config.GenerationConfig.from_model_config(config)
+    return generation_config.GenerationConfig.from_hf(_read_json(path), source=str(path))
 
 
 def load_pretrained(model_class: type[DecoderLM], directory: str | os.PathLike, *,

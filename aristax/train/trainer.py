@@ -17,6 +17,7 @@ device's).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
@@ -467,31 +468,31 @@ def _train_loop(run: _Run, writer: MetricsWriter, row_of, log, preemption: Preem
     cfg = run.cfg
     train_step, eval_step = make_steps(cfg.model.bias_update_rate > 0)
     losses, evals, step_s = [], [], []
-    progress = _progress(cfg, run.main, run.start_step)
-    for step in range(run.start_step + 1, cfg.steps + 1):
-        run.ckpt.poll()
-        t0 = time.perf_counter()
-        metrics = jax.device_get(train_step(run.model, run.optimizer,
-                                            _global_batch(next(run.stream), run.sharding)))
-        step_s.append(time.perf_counter() - t0)
-        row = row_of(step, metrics, step_s[-1])
-        writer.write(row)
-        if not np.isfinite(row["loss"]):
-            raise FloatingPointError(f"step {step}: the training loss is {row['loss']}; lower "
-                                     "optim.lr or raise optim.warmup_steps")
-        losses.append(row["loss"])
-        progress(step, row, log)
-        if step % cfg.eval_every == 0 or step == cfg.steps:
-            evals.append((step, _evaluate(run, eval_step)))
-            writer.write({"step": step, "eval_loss": evals[-1][1]})
-            if run.main:
-                log(f"step {step}: held-out loss {evals[-1][1]:.3f}")
-        preempted = preemption.reached(step)
-        if preempted or step % cfg.checkpoint.every == 0 or step == cfg.steps:
-            _save(run, step)
-        if preempted:
-            return losses, evals, step_s, step
-    return losses, evals, step_s, None
+    with progress_display(cfg, run.main, run.start_step) as progress:
+        for step in range(run.start_step + 1, cfg.steps + 1):
+            run.ckpt.poll()
+            t0 = time.perf_counter()
+            batch = _global_batch(next(run.stream), run.sharding)
+            metrics = jax.device_get(train_step(run.model, run.optimizer, batch))
+            step_s.append(time.perf_counter() - t0)
+            row = row_of(step, metrics, step_s[-1])
+            writer.write(row)
+            if not np.isfinite(row["loss"]):
+                raise FloatingPointError(f"step {step}: the training loss is {row['loss']}; "
+                                         "lower optim.lr or raise optim.warmup_steps")
+            losses.append(row["loss"])
+            progress(step, row, log)
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                evals.append((step, _evaluate(run, eval_step)))
+                writer.write({"step": step, "eval_loss": evals[-1][1]})
+                if run.main:
+                    log(f"step {step}: held-out loss {evals[-1][1]:.3f}")
+            preempted = preemption.reached(step)
+            if preempted or step % cfg.checkpoint.every == 0 or step == cfg.steps:
+                _save(run, step)
+            if preempted:
+                return losses, evals, step_s, step
+        return losses, evals, step_s, None
 
 
 def _summary(run: _Run, losses, evals, step_s, rows) -> dict[str, Any]:
@@ -593,23 +594,24 @@ def _restore_pure(model, optimizer, state) -> None:
         nnx.update(module, current)
 
 
-def _progress(cfg: TrainConfig, main: bool, start_step: int):
-    """A rich progress bar (loss, tokens/s) on a terminal; plain lines every
-    ``log_every`` steps otherwise."""
+@contextlib.contextmanager
+def progress_display(cfg: TrainConfig, main: bool, start_step: int):
+    """Yields ``update(step, row, log)``: a rich progress bar (loss, tokens/s) on a
+    terminal, stopped (its cursor shown again) however the loop ends; plain lines
+    every ``log_every`` steps otherwise."""
     if main and cfg.progress and sys.stdout.isatty():
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
         bar = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
                        TextColumn("{task.fields[info]}"), TimeRemainingColumn())
         task = bar.add_task("train", total=cfg.steps, completed=start_step, info="")
-        bar.start()
 
         def update(step, row, log):
             bar.update(task, completed=step, info=f"loss {row['loss']:.3f}  "
                        f"{row['tokens_per_s']:,.0f} tok/s  dropped {row['dropped_fraction']:.3f}")
-            if step == cfg.steps:
-                bar.stop()
-        return update
+        with bar:
+            yield update
+        return
 
     def lines(step, row, log):
         if main and (step % cfg.log_every == 0 or step == cfg.steps):
@@ -617,4 +619,4 @@ def _progress(cfg: TrainConfig, main: bool, start_step: int):
                 f"{row['tokens_per_s']:,.0f} tokens/s  MFU {100 * row['mfu']:.1f}%  "
                 f"dropped {row['dropped_fraction']:.3f}  router entropy "
                 f"{row['router_entropy']:.2f}")
-    return lines
+    yield lines

@@ -62,8 +62,10 @@ def run(out_dir: Path, *overrides: str, **kwargs) -> tuple[int, str, str]:
 
 
 def one_line(err: str) -> str:
-    """The single line a failing run printed on stderr (absl/orbax warnings aside)."""
-    lines = [ln for ln in err.splitlines() if ln.startswith("aristax")]
+    """The single line a failing run printed on stderr (absl/orbax warnings, and
+    warnings ``aristax`` prints as "aristax CMD: SomeWarning: ...", aside)."""
+    lines = [ln for ln in err.splitlines() if ln.startswith("aristax")
+             and not re.match(r"aristax \w+: \w*Warning: ", ln)]
     assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
     return lines[0]
 

@@ -195,3 +195,25 @@ print(torch.ones(2).sum().item())
     assert proc.returncode == 0 and proc.stdout.strip() == "2.0", proc.stderr[-2000:]
     events = list((tmp_path / "tensorboard").iterdir())
     assert len(events) == 1 and b"loss" in events[0].read_bytes()
+
+
+def test_the_progress_bar_stops_however_the_loop_ends(monkeypatch):
+    """On a terminal, a run stopped by an error or a signal left rich's bar live and
+    the cursor hidden (a user trial): the bar stops on any exit of the loop."""
+    import io
+
+    from rich.progress import Progress
+
+    from aristax.train.trainer import progress_display
+
+    stops = []
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    monkeypatch.setattr(Progress, "stop", lambda self: stops.append(self))
+    cfg = load_config("experiments/configs/tiny.yaml", ["steps=5"])
+    row = {"loss": 1.0, "tokens_per_s": 1.0, "dropped_fraction": 0.0}
+    with pytest.raises(KeyboardInterrupt):
+        with progress_display(cfg, True, 0) as update:
+            update(1, row, print)
+            raise KeyboardInterrupt
+    assert len(stops) == 1
