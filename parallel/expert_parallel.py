@@ -507,10 +507,8 @@ def expert_parallel_moe(
         holds El = num_slots/W slots).
       config: ``MoEConfig`` (token-choice router; capacity is per source shard).
       mesh: a ``Mesh``/``AbstractMesh`` with ``expert_axis``; None: the mesh set by
-        ``jax.set_mesh``. The outputs are placed on it; on a mesh of Explicit axes
-        (``jax.make_mesh``'s default) JAX differentiates them eagerly only under
-        ``with jax.set_mesh(mesh):`` (or inside ``jit``), as any Explicit-sharded
-        array.
+        ``jax.set_mesh``. The outputs are placed on it: of Explicit axes, JAX
+        differentiates them eagerly only under ``jax.set_mesh`` (or in ``jit``).
       bias, jitter_rng, seq_len: as in ``aristax.moe.moe`` (T % seq_len == 0).
       expert_perm: int[num_slots], the logical expert in each physical slot
         (``Plan.replicas`` style: device w holds slots w*El .. (w+1)*El - 1), e.g.
