@@ -37,8 +37,8 @@ def _typed(hf: dict, key: str, kind: type, source: str):
     value = hf[key]
     numbers = (int, float) if kind is float else (kind,)
     if not isinstance(value, numbers) or (kind is not bool and isinstance(value, bool)):
-        raise ValueError(f"{source}: {key}={value!r} must be a JSON "
-                         f"{'boolean' if kind is bool else 'number'}")
+        what = {bool: "boolean", int: "integer", float: "number"}[kind]
+        raise ValueError(f"{source}: {key}={value!r} must be a JSON {what}")
     return kind(value)
 
 
