@@ -70,7 +70,7 @@ def check_processes(num_processes: int, devices: int, grace: float = 10.0) -> No
     """ValueError unless ``num_processes`` processes can share ``devices`` CPU devices
     (``parallel.devices``; 0: each process keeps its own count) and ``grace`` is a
     number of seconds >= 0."""
-    if not grace >= 0 or grace == float("inf"):  # not NaN, not negative
+    if not 0 <= grace < float("inf"):  # NaN fails too
         raise ValueError(f"--grace={grace} must be a finite number of seconds >= 0 (the "
                          "time the processes have to checkpoint after a SIGTERM)")
     if num_processes < 1:
