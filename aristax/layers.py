@@ -397,7 +397,7 @@ class MoE(JitterView, nnx.Module):
         slots and placed on its mesh when the layer carries a plan, else placed as the
         current weights are. The stored layout is reset to the one the layer computes
         with, so a state refused by the layout check is repaired by this call."""
-        self._check_one_layer("load_logical_params(params)")
+        self._check_one_layer("load_logical_params", "params")
         variables = self._param_variables()
         given = {f for f in PARAM_DIMS if getattr(params, f) is not None}
         if given != set(variables):
@@ -445,22 +445,23 @@ class MoE(JitterView, nnx.Module):
     def logical_params(self) -> MoEParams:
         """``params()`` with experts in logical order [E, ...] (a replicated expert
         from its first slot): what checkpoints hold."""
-        self._check_one_layer("logical_params()")
+        self._check_one_layer("logical_params")
         check_layout(self.expert_layout[...], self.expected_layout())
         if self.ep_options is None or self.ep_options.expert_perm is None:
             return self.params()
         return layout_experts(self.params(), self.ep_options.expert_perm, inverse=True)
 
-    def _check_one_layer(self, call: str) -> None:
+    def _check_one_layer(self, method: str, args: str = "") -> None:
         """ValueError naming the per-layer recipe when this module is a stack of layers
         (``nnx.vmap`` of the constructor: its layout is [L, ..., E])."""
         stack = self.expert_layout[...].shape[:-1]
         if stack:
+            lam = f"lambda layer{', ' + args if args else ''}"
             raise ValueError(
                 f"this MoE is a stack of layers {stack} (nnx.vmap of its constructor): "
-                f"{call} works on one layer; map it over the stack, e.g. "
-                f"nnx.vmap(lambda layer: layer.{call}, in_axes=0, out_axes=0)"
-                f"(stack{', params' if 'params' in call else ''})")
+                f"{method}({args}) works on one layer; map it over the stack, e.g. "
+                f"nnx.vmap({lam}: layer.{method}({args}), in_axes=0, out_axes=0)"
+                f"(stack{', ' + args if args else ''})")
 
     def _param_variables(self) -> dict[str, nnx.Param]:
         """The layer's parameters by ``MoEParams`` field (fields it lacks left out)."""

@@ -31,10 +31,9 @@ _KINDS = {"do_sample": bool, "temperature": float, "top_k": int, "top_p": float,
           "pad_token_id": int}
 
 
-def _typed(hf: dict, key: str, kind: type, source: str):
-    """``hf[key]`` as ``kind`` (an int is a float; a bool is neither), else a
+def _typed(key: str, value, kind: type, source: str):
+    """``value`` (of ``key``) as ``kind`` (an int is a float; a bool is neither), else a
     ValueError naming the key and the file."""
-    value = hf[key]
     numbers = (int, float) if kind is float else (kind,)
     if not isinstance(value, numbers) or (kind is not bool and isinstance(value, bool)):
         what = {bool: "boolean", int: "integer", float: "number"}[kind]
@@ -79,13 +78,13 @@ class GenerationConfig:
         if ignored:
             warnings.warn(f"{source} sets {ignored}, which aristax generate does not apply",
                           UserWarning, stacklevel=2)
-        values = {k: _typed(hf, k, kind, source) for k, kind in _KINDS.items()
+        values = {k: _typed(k, hf[k], kind, source) for k, kind in _KINDS.items()
                   if hf.get(k) is not None}
         eos = hf.get("eos_token_id")
         if eos is not None:
-            for e in eos if isinstance(eos, list) else [eos]:
-                _typed({"eos_token_id": e}, "eos_token_id", int, source)
-        return cls(**values, eos_token_id=_ids(eos))
+            eos = tuple(_typed("eos_token_id", e, int, source)
+                        for e in (eos if isinstance(eos, list) else [eos]))
+        return cls(**values, eos_token_id=eos)
 
     @classmethod
     def from_model_config(cls, config) -> GenerationConfig:
@@ -94,8 +93,9 @@ class GenerationConfig:
 
     def to_hf(self) -> dict[str, Any]:
         """The generation_config.json object (HF's defaults left out, as HF writes it)."""
+        default = GenerationConfig()
         out = {k: v for k, v in dataclasses.asdict(self).items()
-               if v != getattr(GenerationConfig(), k)}
+               if v != getattr(default, k)}
         if self.eos_token_id is not None:
             eos = list(self.eos_token_id)
             out["eos_token_id"] = eos[0] if len(eos) == 1 else eos
