@@ -70,14 +70,19 @@ def run_dry(tmp_path, *args):
 
 @pytest.mark.slow
 def test_dry_run_writes_every_row_and_survives_a_dying_worker(tmp_path):
-    """The timed case's every step (the float32 case's steps are the same code at
-    another precision; the next test runs some of them)."""
+    """The timed case's every step but the two slowest (the float32 case's steps are
+    the same code at another precision; the next test runs some of them). Left out
+    to keep CI under 20 minutes: the interpreted Mosaic GPU moe_mlp and layer checks
+    (21 s of the run's 82 s), whose kernels tests/pallas_kernels/test_moe_mlp.py and
+    tests/test_layers.py check against the reference; gpu_check's other backends take
+    those two ops' step path here."""
     dead = "check:tiny/bfloat16:permute:triton"
-    only = "ceilings|tiny/bfloat16"
+    only = "ceilings|peers:tiny/bfloat16$|tiny/bfloat16:(?!(moe_mlp|layer):mosaic_gpu)"
     proc, data = run_dry(tmp_path, "--fault", f"exit:{dead}", "--only", only)
     assert proc.returncode == 1, proc.stderr[-2000:]  # the injected fault is a failure
     steps = [s.id for s in gpu_check.plan_steps(gpu_check.DRY_PLAN, only)]
-    assert len(steps) == 26 and "peers:tiny/bfloat16" in steps  # 23 checks
+    assert len(steps) == 24 and "peers:tiny/bfloat16" in steps  # 21 checks
+    assert "check:tiny/bfloat16:combine:mosaic_gpu" in steps
     assert data["complete"] and sorted(data["done"]) == sorted(steps)
     assert data["failures"] == [{"step": dead, "error": "worker died: 7"}]
     assert data["workers"] == [7, 0]  # the second worker went on after the dead step
