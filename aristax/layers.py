@@ -102,13 +102,15 @@ class ExpertParallelOptions:
     Attributes:
       expert_perm: int[num_slots], the logical expert in each physical slot (None:
         identity). expert_axis: "expert" or ("node", "local"). exchange: the
-        all-to-all strategy. num_chunks: the plan's Lancet chunk count.
+        all-to-all strategy. num_chunks: the plan's Lancet chunk count. schedule:
+        the plan's Aurora rounds with exchange "scheduled", else None.
     """
 
     expert_perm: tuple[int, ...] | None
     expert_axis: str | tuple[str, ...]
     exchange: str
     num_chunks: int
+    schedule: tuple[tuple[tuple[int, int], ...], ...] | None = None
 
     def as_kwargs(self) -> dict:
         """The options as ``expert_parallel_moe`` keyword arguments (a new dict)."""
@@ -375,7 +377,8 @@ class MoE(JitterView, nnx.Module):
             raise ValueError(f"plan.num_experts={plan.num_experts} but MoEConfig.num_experts="
                              f"{self.config.num_experts}; plan for the model's E")
         logical = self.logical_params()
-        self.ep_options = ExpertParallelOptions(**expert_parallel_options(plan, self.mesh))
+        self.ep_options = ExpertParallelOptions(**expert_parallel_options(
+            plan, self.mesh, exchange=self.config.exchange))
         expert_axis = self.ep_options.expert_axis
         if self.axes.expert not in (EXPERT_AXIS, expert_axis):
             raise ValueError(
@@ -561,17 +564,16 @@ class MoE(JitterView, nnx.Module):
 
     def plan_call_options(self, num_tokens: int) -> dict | None:
         """The ``expert_parallel_moe`` options a call on ``num_tokens`` tokens uses when
-        the layer carries out a plan (None without one): the plan's, with
-        ``config.exchange`` and a set ``config.num_chunks`` in their place;
-        the chunk count (the plan's is made for its planned batch) is capped at one
-        chunk per local token."""
+        the layer carries out a plan (None without one): the plan's (with
+        ``config.exchange`` in place of its exchange, taken when the plan was applied),
+        with a set ``config.num_chunks`` in place of its chunk count; the chunk count
+        (the plan's is made for its planned batch) is capped at one chunk per local
+        token."""
         if self.ep_options is None:
             return None
         cfg = self.config
         mesh = self.mesh if self.mesh is not None else jax.sharding.get_abstract_mesh()
         options = self.ep_options.as_kwargs()
-        if cfg.exchange is not None:
-            options["exchange"] = cfg.exchange
         local = tokens_per_shard(num_tokens, mesh, options["expert_axis"])
         options["num_chunks"] = max(1, min(cfg.num_chunks or options["num_chunks"], local))
         return options

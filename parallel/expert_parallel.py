@@ -66,7 +66,7 @@ from aristax.moe import (MoEParams, check_inputs, check_tokens, fused_experts, l
                          make_dispatch, routed_mlp, router_input)
 from aristax.pallas_kernels import frontdoor
 from aristax.parallel import collectives, overlap
-from aristax.parallel.collectives import check_exchange, default_exchange
+from aristax.parallel.collectives import check_exchange, default_exchange, rounds_from_schedule
 from aristax.parallel.mesh import (EMPTY_SLOT, expert_axes_of, expert_permutation,
                                    inverse_permutation)
 from aristax.sharding import DATA_AXIS, EXPERT_AXIS, EXPERT_FIELDS, PARAM_DIMS
@@ -287,13 +287,15 @@ def _local_moe(x, router_in, params, bias, *, config, slot_of_expert, axes, expe
 
 
 # ------------------------------------------------------------------ front door
-def expert_parallel_options(plan, mesh, *, platform: str | None = None) -> dict[str, Any]:
+def expert_parallel_options(plan, mesh, *, platform: str | None = None,
+                            exchange: str | None = None) -> dict[str, Any]:
     """``expert_parallel_moe`` keyword arguments that carry out ``plan`` on ``mesh``.
 
     Args:
       plan: the ``aristax.planner.Plan`` the mesh was built from (``mesh_from_plan``).
       mesh: its mesh: ("data", "expert") or ("data", "node", "local").
       platform: "cpu", "gpu", ...; None: ``jax.default_backend()``.
+      exchange: the all-to-all strategy (``EXCHANGES``); None: the plan's (below).
     Raises:
       ValueError: the mesh is not the plan's (no expert axis, or not a "data" axis of
         ``len(plan.groups)`` groups and expert axes of one group's devices).
@@ -304,7 +306,10 @@ def expert_parallel_options(plan, mesh, *, platform: str | None = None) -> dict[
          slow inter-node links carry one message per node pair), else the
          platform's ("ragged" on GPU/TPU, "padded" on CPU),
        "num_chunks": the Lancet partition count of the dispatch all-to-all
-         (1 when the plan has none)}.
+         (1 when the plan has none),
+       "schedule": with ``exchange="scheduled"``, the plan's Aurora order as rounds
+         (``rounds_from_schedule`` of the group whose all-to-all takes longest: every
+         group runs one program), else None}.
     """
     groups, group = len(plan.groups), len(plan.groups[0])
     expert_axis = expert_axes_of(mesh)
@@ -319,12 +324,17 @@ def expert_parallel_options(plan, mesh, *, platform: str | None = None) -> dict[
     identity = len(perm) == plan.num_experts and np.array_equal(perm, np.arange(len(perm)))
     chunks = (overlap.num_chunks_from_plan(plan) if "dispatch" in getattr(plan, "op_names", ())
               else 1)
+    if exchange is None:
+        exchange = ("hierarchical" if isinstance(expert_axis, tuple)
+                    else default_exchange(platform))
+    check_exchange(exchange)
+    slowest = max(plan.schedules, key=lambda s: s.makespan)
     return {
         "expert_perm": None if identity else tuple(int(p) for p in perm),
         "expert_axis": expert_axis,
-        "exchange": ("hierarchical" if isinstance(expert_axis, tuple)
-                     else default_exchange(platform)),
+        "exchange": exchange,
         "num_chunks": chunks,
+        "schedule": rounds_from_schedule(slowest) if exchange == "scheduled" else None,
     }
 
 

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from aristax import MoEConfig
-from aristax.parallel import (complete_rounds, expert_parallel_moe, rounds_from_schedule,
-                              scheduled_all_to_all)
+from aristax import MoE, MoEConfig, moe
+from aristax.parallel import (collectives, complete_rounds, expert_parallel_moe,
+                              mesh_from_plan, rounds_from_schedule, scheduled_all_to_all)
 from aristax.planner import ModelSpec, make_plan
 from aristax.planner.topology import uniform
 from test_expert_parallel import make_mesh, make_params, per_shard_moe
@@ -121,3 +124,35 @@ def test_rounds_from_a_skewed_plan_send_each_pair_once():
     assert sorted(p for r in rounds for p in r) == sorted(set(sends))
     for r in rounds:  # each kept round is part of one Aurora round carrying its pairs' most
         assert any(all(a.get(p) == largest[p] for p in r) for a in amounts), r
+
+
+def test_a_plan_layer_with_exchange_scheduled_runs_the_plans_rounds(monkeypatch):
+    """``MoE(plan=, mesh=)`` with ``exchange="scheduled"`` exchanges in the plan's
+    Aurora order (its slowest group's rounds) and equals one device. A user trial found
+    the plan's schedule never reaching the layer: it ran the generic shift rounds."""
+    spec = ModelSpec(num_experts=8, top_k=2, expert_load=[8, 4, 2, 1, 1, 1, 1, 1])
+    plan = make_plan(uniform(8, expert_capacity=8), spec,
+                     groups=[list(range(4)), list(range(4, 8))])
+    want = rounds_from_schedule(max(plan.schedules, key=lambda s: s.makespan))
+    assert want and want != complete_rounds(None, 4)[:len(want)]  # not the shift order
+    cfg = MoEConfig(num_experts=8, top_k=2, d_model=D, d_ff=24, exchange="scheduled")
+    mesh = mesh_from_plan(plan)
+    layer = MoE(cfg, rngs=nnx.Rngs(0), plan=plan, mesh=mesh)
+    assert layer.plan_call_options(T)["schedule"] == want
+    seen = []
+    real = collectives.exchange
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("schedule"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(collectives, "exchange", spy)
+    x = jax.random.normal(jax.random.key(3), (T, D))
+    y, _ = nnx.jit(lambda m, x: m(x))(layer, x)
+    assert seen and all(s == want for s in seen)  # dispatch and return trips
+    y_one, _ = jax.jit(lambda x, p: moe(x, p, dataclasses.replace(cfg, exchange=None)))(
+        x, layer.logical_params())
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_one), atol=2e-5, rtol=2e-5)
+    padded = MoE(dataclasses.replace(cfg, exchange="padded"), rngs=nnx.Rngs(0), plan=plan,
+                 mesh=mesh)
+    assert padded.plan_call_options(T)["schedule"] is None
