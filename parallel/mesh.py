@@ -106,8 +106,8 @@ def mesh_from_plan(
     if len(sizes) != 1:
         raise ValueError(
             f"plan.groups have unequal sizes {[len(g) for g in plan.groups]}; a mesh needs "
-            "equal expert-parallel groups: make the plan with equal groups "
-            "(make_plan(..., groups=...)).")
+            "equal expert-parallel groups: make the plan with "
+            "make_plan(..., equal_groups=True) (or groups= of one size).")
     if hierarchical and (topology is None or topology.node is None):
         raise ValueError("hierarchical=True needs topology= with node ids (Topology.node)")
     nodes = _group_nodes(plan, topology) if hierarchical is not False else 1

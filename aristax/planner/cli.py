@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     topology = parse_topology(args.topology)
     model = ModelSpec(num_experts=args.experts, top_k=args.top_k, d_model=args.d_model,
                       d_ff=args.d_ff, tokens_per_device=args.tokens)
-    plan = make_plan(topology, model)
+    plan = make_plan(topology, model, equal_groups=args.equal_groups)
     console = Console()
     for r in plan_tables(plan, topology, simulate(plan, topology, model).iteration):
         console.print(r)
@@ -133,6 +133,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--d-model", type=int, default=1024, help="model dim D (default 1024)")
     p.add_argument("--d-ff", type=int, default=4096, help="expert hidden dim F (default 4096)")
     p.add_argument("--tokens", type=int, default=4096, help="tokens per device per micro-batch T (default 4096)")
+    p.add_argument("--equal-groups", action="store_true",
+                   help="only groups of one size, as a device mesh (mesh_from_plan) and "
+                        "aristax train need")
     p.add_argument("--json", metavar="OUT.json", default=None, help="also write the plan as JSON")
     p.add_argument("--png", metavar="OUT.png", default=None,
                    help="also draw topology heatmap, experts per device and the slowest group's "

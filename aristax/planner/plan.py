@@ -16,12 +16,18 @@ baseline groupings it is checked against.
    hottest expert bounds compute and its rows grow with |g|, so LysiGroup can pick
    groups that are too large (e.g. Perlmutter 4x4, 128 Zipf-loaded experts: one
    16-GPU group, 3.6x slower than single-node groups). ``select="lysi"`` keeps
-   LysiGroup's answer unconditionally;
+   LysiGroup's answer unconditionally. The candidates also include equal groups
+   (:func:`equal_size_groups`: every size whose groups each hold the experts), which a
+   device mesh needs (``mesh_from_plan``); ``equal_groups=True`` keeps only candidates
+   of equal sizes, so that the plan runs in the layer;
 2. placement per group: :func:`~aristax.planner.lysi.lysi_assign` (Aristos Alg. 2)
    with expert costs p_e |g| T K f (p = routing share of each expert), or, when
    ``model.num_replicas`` is set, :func:`~aristax.planner.replication.replicate_experts`
-   with that many physical slots per group (equal slots per device); ``assign="random"``
-   is Aurora section 8's random GPU assignment baseline;
+   with that many physical slots per group (equal slots per device); a group whose
+   devices match the first group's (FLOP/s, expert capacity, place among the group's
+   nodes) takes the first group's placement, its devices ordered to repeat it, so that
+   the groups can be the rows of one mesh; ``assign="random"`` is Aurora section 8's
+   random GPU assignment baseline;
 3. the all-to-all transmission order per group: :func:`~aristax.planner.aurora.
    schedule_all_to_all` (Aurora Thm 4.2) on the expected dispatch *time* matrix
    (:func:`dispatch_times`), so round amounts are seconds of link time;
@@ -41,7 +47,6 @@ still works for each of them.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Sequence
 
 import numpy as np
@@ -57,8 +62,8 @@ from aristax.planner.topology import Topology
 
 __all__ = [  # with the names that moved to spec and costs, re-exported from here
     "ATTENTION_FLOPS_PER_TOKEN", "ModelSpec", "Plan", "baseline_groups", "block_ops",
-    "check_groups", "compare", "dispatch_bytes", "dispatch_times", "expert_compute",
-    "link_times", "make_plan",
+    "check_groups", "compare", "dispatch_bytes", "dispatch_times", "equal_size_groups",
+    "expert_compute", "link_times", "make_plan",
 ]
 
 
@@ -95,6 +100,21 @@ def baseline_groups(topology: Topology, num_experts: int, kind: str) -> list[lis
     if cur:
         groups[-1] = sorted(groups[-1] + cur)
     return groups
+
+
+def equal_size_groups(topology: Topology, num_experts: int) -> dict[int, list[list[int]]]:
+    """{size s: groups}: for each s dividing the device count whose groups each hold
+    ``num_experts`` (their ``expert_capacity``), consecutive runs of s devices in host
+    order (``topology.node``, then id)."""
+    v = topology.num_devices
+    node = topology.node if topology.node is not None else np.zeros(v, dtype=np.int64)
+    order = sorted(range(v), key=lambda d: (int(node[d]), d))
+    out = {}
+    for size in (s for s in range(1, v + 1) if v % s == 0):
+        groups = [sorted(order[i:i + size]) for i in range(0, v, size)]
+        if all(topology.expert_capacity[g].sum() >= num_experts for g in groups):
+            out[size] = groups
+    return out
 
 
 def _slots_lysi(group: Sequence[int], topology: Topology, costs: np.ndarray) -> list[list[int]]:
@@ -145,6 +165,7 @@ def make_plan(
     max_partitions: int = 8,
     partition_overhead: float = 1e-5,
     select: str = "best",
+    equal_groups: bool = False,
 ) -> Plan:
     """Plan expert parallelism for ``model`` on ``topology`` (see the module doc).
 
@@ -153,8 +174,11 @@ def make_plan(
     ``partition_overhead`` seconds per partitioned piece (Lancet 5.1's partition
     overhead: kernel launch plus split/concat), ``max_partitions`` = K.
     ``select``: "best" or "lysi" (module doc, step 1; ignored when ``groups`` is given);
-    meta["grouping"] names the grouping kept and meta["candidates"] the simulated
-    iteration times of all candidates.
+    meta["grouping"] names the grouping kept ("lysi", "single_node", "world",
+    "minimal", "equal:<size>" or "given") and meta["candidates"] the simulated
+    iteration times of all candidates. ``equal_groups=True``: groups of one size, as
+    ``mesh_from_plan`` and the layer need (given ``groups`` or LysiGroup's with
+    ``select="lysi"`` that are not equal are refused).
     Deterministic: equal inputs give equal plans (and equal JSON).
     """
     if not isinstance(topology, Topology):
@@ -168,39 +192,64 @@ def make_plan(
         raise ValueError(f"select must be 'best' or 'lysi', got {select!r}.")
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}.")
-    if groups is not None:
-        check_groups(groups, topology.num_devices)
+    if not isinstance(equal_groups, bool):
+        raise TypeError(f"equal_groups must be True or False, got {equal_groups!r}.")
     kwargs = dict(policy=policy, assign=assign, seed=seed, max_partitions=max_partitions,
                   partition_overhead=partition_overhead)
     if groups is not None:
+        check_groups(groups, topology.num_devices)
+        _check_equal(groups, equal_groups, "groups=")
         return _make_plan(topology, model, groups, grouping="given", **kwargs)
     lysi_groups = lysi_group(topology, model.workload(), policy=policy)
     if select == "lysi":
+        _check_equal(lysi_groups, equal_groups, "LysiGroup (select='lysi')")
         return _make_plan(topology, model, lysi_groups, grouping="lysi", **kwargs)
-    # LysiGroup does not see num_replicas, so its groups may not hold the replicas
-    # (ValueError); then the best grouping that does is kept, and only when none
-    # does is LysiGroup's error raised.
-    best, best_t, times, lysi_error = None, math.inf, {}, None
-    for kind in ("lysi", "single_node", "world", "minimal"):
-        cand_groups = (lysi_groups if kind == "lysi"
-                       else baseline_groups(topology, model.num_experts, kind))
-        if kind != "lysi" and "lysi" in times and (
-                sorted(map(sorted, cand_groups)) == sorted(map(sorted, lysi_groups))):
-            times[kind] = times["lysi"]
+    candidates = {"lysi": lysi_groups}
+    for kind in ("single_node", "world", "minimal"):
+        candidates[kind] = baseline_groups(topology, model.num_experts, kind)
+    for size, cand in equal_size_groups(topology, model.num_experts).items():
+        candidates[f"equal:{size}"] = cand
+    best, times = _fastest(candidates, topology, model, equal_groups, assign=assign, seed=seed)
+    plan = _make_plan(topology, model, candidates[best], grouping=best, **kwargs)
+    return dataclasses.replace(plan, meta=dict(plan.meta, candidates=times))
+
+
+def _check_equal(groups, equal_groups: bool, what: str) -> None:
+    sizes = [len(g) for g in groups]
+    if equal_groups and len(set(sizes)) > 1:
+        raise ValueError(f"equal_groups=True but {what} gives groups of sizes {sizes}; pass "
+                         "groups of one size, or select='best' to choose among equal ones.")
+
+
+def _fastest(candidates: dict, topology: Topology, model: ModelSpec, equal_groups: bool, *,
+             assign: str, seed: int) -> tuple[str, dict[str, float]]:
+    """(the kind of the fastest candidate grouping under the simulator, {kind: time}),
+    ties to the first; with ``equal_groups`` only groupings of one size. LysiGroup does
+    not see num_replicas, so its groups may not hold the replicas (ValueError); then
+    the fastest grouping that does is kept, and only when none does is an error
+    (LysiGroup's, else the first) raised."""
+    best, times, seen, errors = None, {}, {}, []
+    for kind, groups in candidates.items():
+        if equal_groups and len({len(g) for g in groups}) > 1:
             continue
+        key = tuple(sorted(tuple(sorted(g)) for g in groups))
+        if key in seen:  # the same grouping under another name
+            if seen[key] in times:
+                times[kind] = times[seen[key]]
+            continue
+        seen[key] = kind
         try:
-            slots = _group_slots(topology, model, cand_groups, assign=assign, seed=seed)
+            slots = _group_slots(topology, model, groups, assign=assign, seed=seed)
         except ValueError as error:  # e.g. num_replicas not a multiple of the group sizes
-            lysi_error = error if kind == "lysi" else lysi_error
+            errors.append(error)
             continue
         layers = [group_layer_time(sl, g, topology, model) for g, sl in slots]
-        times[kind] = iteration_time(layers, cand_groups, topology, model)[2]
-        if best is None or times[kind] < best_t:
-            best, best_t = (kind, cand_groups), times[kind]
+        times[kind] = iteration_time(layers, groups, topology, model)[2]
+        if best is None or times[kind] < times[best]:
+            best = kind
     if best is None:
-        raise lysi_error
-    plan = _make_plan(topology, model, best[1], grouping=best[0], **kwargs)
-    return dataclasses.replace(plan, meta=dict(plan.meta, candidates=times))
+        raise errors[0]
+    return best, times
 
 
 def _group_slots(topology: Topology, model: ModelSpec, groups, *, assign: str, seed: int
@@ -212,20 +261,42 @@ def _group_slots(topology: Topology, model: ModelSpec, groups, *, assign: str, s
     wl = model.workload()
     rng = np.random.default_rng(seed)
     p = model.shares()
-    out = []
+    out, first = [], None
     for group in [sorted(int(d) for d in g) for g in groups]:
         if topology.expert_capacity[group].sum() < model.num_experts:
             raise ValueError(f"group {group} holds {int(topology.expert_capacity[group].sum())} experts, "
                              f"fewer than num_experts={model.num_experts}; merge it with another group.")
         costs = p * len(group) * model.tokens_per_device * model.top_k * wl.token_flops
+        keys = _device_keys(group, topology)
         if assign == "random":
             slots = _slots_random(group, topology, model.num_experts, rng)
-        elif model.num_replicas is not None:
-            slots = _slots_replicated(group, topology, costs, model.num_replicas)
+        elif first is not None and sorted(keys) == sorted(first[0]):
+            group, slots = _like_first(group, keys, *first)
         else:
-            slots = _slots_lysi(group, topology, costs)
+            slots = (_slots_replicated(group, topology, costs, model.num_replicas)
+                     if model.num_replicas is not None else _slots_lysi(group, topology, costs))
+            first = first or (keys, slots)
         out.append((group, slots))
     return out
+
+
+def _device_keys(group: list[int], topology: Topology) -> list[tuple]:
+    """What placement and the mesh see of each device of ``group``: (FLOP/s, expert
+    capacity, index of its host among the group's hosts)."""
+    node = topology.node if topology.node is not None else np.zeros(topology.num_devices, int)
+    hosts = sorted({int(node[d]) for d in group})
+    return [(float(topology.flops[d]), int(topology.expert_capacity[d]),
+             hosts.index(int(node[d]))) for d in group]
+
+
+def _like_first(group: list[int], keys: list[tuple], first_keys: list[tuple],
+                first_slots: list) -> tuple[list[int], list]:
+    """``group``'s devices ordered so that the w-th has the first group's w-th key (the
+    lowest id first among equal keys), with the first group's slots."""
+    pool: dict[tuple, list[int]] = {}
+    for d, k in zip(group, keys):
+        pool.setdefault(k, []).append(d)
+    return [pool[k].pop(0) for k in first_keys], [list(xs) for xs in first_slots]
 
 
 def _make_plan(topology: Topology, model: ModelSpec, groups, *, grouping: str, policy: str, assign: str,

@@ -1,7 +1,8 @@
 """The planner's value types: :class:`ModelSpec`, what it plans for, and
 :class:`Plan`, everything it decides, as one JSON-serialisable value.
 
-Index conventions: ``groups[g]`` lists global device ids (sorted); ``placement[g][e]``
+Index conventions: ``groups[g]`` lists global device ids (``make_plan``: sorted, or in
+the order that repeats the first group's placement); ``placement[g][e]``
 global devices holding logical expert e; ``replicas[g][w]`` the logical experts in the
 slots of the w-th device of ``groups[g]`` (flattened in group order: the
 physical -> logical map); schedule sends use *local* indices into ``groups[g]``.

@@ -102,7 +102,7 @@ def plan_and_mesh(cfg: TrainConfig, devices):
         groups = [list(range(i, i + W)) for i in range(0, len(devices), W)]
     p = cfg.parallel
     try:
-        plan = make_plan(topology, spec, groups=groups)
+        plan = make_plan(topology, spec, groups=groups, equal_groups=True)
     except ValueError as err:
         raise ValueError(
             f"no expert-parallel plan for model.num_experts={m.num_experts} on "

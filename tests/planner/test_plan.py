@@ -1,13 +1,14 @@
 """Plan / make_plan: JSON round trip, validation, determinism, presets."""
 
 import dataclasses
+import itertools
 import json
 
 import numpy as np
 import pytest
 
 from aristax.planner import Plan, ModelSpec, Topology, make_plan
-from aristax.planner.plan import baseline_groups, dispatch_times
+from aristax.planner.plan import baseline_groups, dispatch_times, equal_size_groups
 from aristax.planner.topology import dgx_h100, heterogeneous_mix, perlmutter, uniform
 
 ZIPF16 = tuple(float(x) for x in np.random.default_rng(0).zipf(1.5, 16))
@@ -173,11 +174,83 @@ def test_only_the_kept_grouping_builds_its_schedules(monkeypatch):
     plan = make_plan(top, model)
     assert sorted(built) == sorted(map(len, plan.groups))  # the kept plan's groups only
     times = plan.meta["candidates"]
-    assert set(times) == {"lysi", "single_node", "world", "minimal"}
-    for kind in ("single_node", "world", "minimal"):
-        groups = baseline_groups(top, model.num_experts, kind)
+    equal = equal_size_groups(top, model.num_experts)
+    assert set(equal) == {1, 2, 4, 8, 16}  # 4 nodes of 4 GPUs, capacity 16 each
+    assert set(times) == {"lysi", "single_node", "world", "minimal",
+                          *(f"equal:{s}" for s in equal)}
+    for kind in times:
+        groups = (equal[int(kind[6:])] if kind.startswith("equal:")
+                  else baseline_groups(top, model.num_experts, kind) if kind != "lysi"
+                  else None)
+        if groups is None:
+            continue
         want = simulate(make_plan(top, model, groups=groups), top, model).iteration
         assert times[kind] == pytest.approx(want, rel=1e-9)
         assert times[plan.meta["grouping"]] <= times[kind]
     assert simulate(plan, top, model).iteration == pytest.approx(
         times[plan.meta["grouping"]], rel=1e-9)
+
+
+def brute_force_equal_groupings(v: int, size: int):
+    """Every partition of range(v) into groups of ``size`` (first member the lowest)."""
+    def rec(rest):
+        if not rest:
+            yield []
+            return
+        head, tail = rest[0], rest[1:]
+        for others in itertools.combinations(tail, size - 1):
+            left = [d for d in tail if d not in others]
+            for more in rec(left):
+                yield [[head, *others], *more]
+    yield from rec(list(range(v)))
+
+
+def test_uniform_cluster_gets_equal_groups_that_a_mesh_takes():
+    """A user trial: on 8 uniform devices that each hold every expert, make_plan kept
+    LysiGroup's groups of 5 and 3, 31% slower under the planner's own simulator than
+    two groups of 4, and mesh_from_plan refused them (unequal). The plan is now the
+    fastest of every equal grouping (brute force over all partitions into equal
+    groups of each size here), and equal_groups=True always gives one size."""
+    from aristax.parallel import mesh_from_plan
+    from aristax.planner import simulate
+
+    top, model = uniform(8, expert_capacity=8), ModelSpec(num_experts=8, top_k=2,
+                                                           tokens_per_device=64)
+    plan = make_plan(top, model)
+    assert len({len(g) for g in plan.groups}) == 1
+    mesh_from_plan(plan, [object()] * 8)  # accepted (devices: any 8 objects)
+    best = min(simulate(make_plan(top, model, groups=g), top, model).iteration
+               for size in (1, 2, 4, 8) for g in brute_force_equal_groupings(8, size))
+    assert simulate(plan, top, model).iteration == pytest.approx(best, rel=1e-9)
+    for t, e in [(uniform(8, expert_capacity=2), 6), (uniform(8, expert_capacity=4), 12),
+                 (perlmutter(2), 24), (heterogeneous_mix(), 8)]:
+        p = make_plan(t, ModelSpec(num_experts=e, top_k=2, tokens_per_device=4096),
+                      equal_groups=True)
+        assert len({len(g) for g in p.groups}) == 1, (t.name, e, p.groups)
+    with pytest.raises(ValueError, match="equal_groups=True but groups= gives groups of "
+                                         r"sizes \[5, 3\]"):
+        make_plan(top, model, groups=[range(5), range(5, 8)], equal_groups=True)
+    with pytest.raises(TypeError, match="equal_groups must be True or False"):
+        make_plan(top, model, equal_groups="yes")
+
+
+def test_groups_of_matching_devices_repeat_the_first_groups_placement():
+    """A user trial: 2 hosts of 4 devices, one fast device per host (local position 0
+    on host 0, 1 on host 1); groups of 2 held the same expert sets at swapped
+    positions, so the layer refused the plan. Groups whose devices match the first's
+    now repeat its placement, the devices ordered to match, and the layer takes it."""
+    from aristax.parallel import expert_permutation
+
+    flops = np.full(8, 1e14)
+    flops[[0, 5]] = 4e14
+    node = np.repeat([0, 1], 4)
+    same = node[:, None] == node[None, :]
+    alpha = np.where(np.eye(8, dtype=bool), 0.0, np.where(same, 2e-6, 1e-5))
+    beta = np.where(np.eye(8, dtype=bool), 0.0, np.where(same, 1 / 200e9, 1 / 25e9))
+    top = Topology(alpha, beta, flops, np.full(8, 4), node=node, name="hetero_2x4")
+    plan = make_plan(top, ModelSpec(num_experts=8, top_k=2),
+                     groups=[[0, 1], [2, 3], [4, 5], [6, 7]])
+    assert all(r == plan.replicas[0] for r in plan.replicas)
+    assert plan.groups[2] == (5, 4)  # the fast device first, as in group 0
+    assert flops[plan.groups[2][0]] == flops[plan.groups[0][0]]
+    expert_permutation(plan)  # the layer's layout: one for every group
