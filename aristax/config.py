@@ -194,7 +194,8 @@ class MoEConfig:
         (u + 1) * g * sigmoid(alpha * g), with ``swiglu_limit`` and ``swiglu_alpha``).
         Shared experts use the same activation.
       swiglu_limit, swiglu_alpha: the clamp and the sigmoid's slope of
-        "clamped_swiglu" (GPT-OSS's 7.0 and 1.702); unused by the other activations.
+        "clamped_swiglu" (GPT-OSS's 7.0 and 1.702); other values are refused with the
+        other activations, which do not use them.
       router: "softmax_topk" (softmax over E, then top-k; Mixtral/Switch),
         "topk_softmax" (top-k logits, then softmax over the K), "sigmoid" (sigmoid
         scores; DeepSeek-V3), "expert_choice" (each expert picks its tokens; Zhou et
@@ -329,9 +330,13 @@ class MoEConfig:
         _check_routing(self, "MoEConfig")
         if self.activation not in ACTIVATIONS:
             _fail("activation", self.activation, f"choose one of {ACTIVATIONS}")
-        for name in ("swiglu_limit", "swiglu_alpha"):
+        for name, default in (("swiglu_limit", 7.0), ("swiglu_alpha", 1.702)):
             if not _is_finite_positive(getattr(self, name)):
                 _fail(name, getattr(self, name), "must be a finite number > 0")
+            if self.activation != "clamped_swiglu" and getattr(self, name) != default:
+                _fail(name, getattr(self, name), f"is used by activation='clamped_swiglu' "
+                      f"only, not {self.activation!r}: leave it at {default} or set "
+                      "activation='clamped_swiglu'")
         if self.weight_side not in WEIGHT_SIDES:
             _fail("weight_side", self.weight_side, f"choose one of {WEIGHT_SIDES}")
         if self.loss_convention not in LOSS_CONVENTIONS:

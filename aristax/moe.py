@@ -11,6 +11,7 @@ from collections.abc import Callable
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from aristax import dispatch as dispatch_lib
@@ -126,14 +127,15 @@ def check_inputs(
     x: jax.Array, params: MoEParams, config: MoEConfig, *,
     bias: jax.Array | None = None, seq_len: int | None = None,
     num_slots: int | None = None,
-) -> None:
+) -> int | None:
     """Raise a ``ValueError`` naming the argument when x, params, bias or seq_len do
-    not fit ``config``. Shapes are static, so this runs while tracing, before XLA
-    compiles anything.
+    not fit ``config``; return seq_len as a Python int (or None). Shapes are static, so
+    this runs while tracing, before XLA compiles anything.
 
     Expects x as ``check_tokens`` does; params as ``MoEParams`` for this config
     (expert weights with ``num_slots`` rows, default E: an expert-parallel layout may
-    hold more); bias float[E]; seq_len a positive divisor of T.
+    hold more); bias float[E]; seq_len a positive divisor of T (a Python or NumPy
+    integer).
     """
     check_tokens(x, config)
     if not isinstance(params, MoEParams):
@@ -161,11 +163,14 @@ def check_inputs(
         raise ValueError(f"bias has shape {tuple(bias.shape)}; it must be [E] = ({E},), one "
                          "selection bias per expert")
     T = x.shape[0]
-    if seq_len is not None and (
-        not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1 or T % seq_len
-    ):
+    if seq_len is not None and (not isinstance(seq_len, (int, np.integer))
+                                or isinstance(seq_len, bool)):
+        raise TypeError(f"seq_len={seq_len!r} must be a Python or NumPy integer (or None: one "
+                        "sequence)")
+    if seq_len is not None and (seq_len < 1 or T % seq_len):
         raise ValueError(f"seq_len={seq_len!r} must be a positive divisor of the T={T} "
                          "tokens (or None: one sequence)")
+    return None if seq_len is None else int(seq_len)
 
 
 def make_dispatch(
@@ -228,7 +233,7 @@ def moe(
     counts, so a second reverse derivative (grad of grad) raises there; with
     ``config.implementation="reference"`` it works.
     """
-    check_inputs(x, params, config, bias=bias, seq_len=seq_len)
+    seq_len = check_inputs(x, params, config, bias=bias, seq_len=seq_len)
     # Tokens typed on a mesh with Explicit axes (plain data parallelism under
     # jax.set_mesh): sort and gather have no sharding rule there, so the layer runs with
     # those axes Auto; y and the router logits keep x's row sharding.

@@ -585,7 +585,7 @@ def _checked_layout(x, params, config, mesh, *, bias, seq_len, expert_perm, exch
         raise ValueError(f"params hold {params.up_edf.shape[0]} experts but the layout has "
                          f"{num_slots} physical slots; lay the weights out with "
                          "layout_experts(params, expert_perm)")
-    check_inputs(x, params, config, bias=bias, seq_len=seq_len, num_slots=num_slots)
+    seq_len = check_inputs(x, params, config, bias=bias, seq_len=seq_len, num_slots=num_slots)
     exchange = _check_exchange(exchange, expert_axes, expert_axis, schedule,
                                mesh_platform(mesh))
     Tl = x.shape[0] // shards

@@ -197,7 +197,7 @@ def chunked_moe(
     Returns:
       (y[T, D], aux), equal to ``aristax.moe.moe(x, ...)`` including drops.
     """
-    check_inputs(x, params, config, bias=bias, seq_len=seq_len)
+    seq_len = check_inputs(x, params, config, bias=bias, seq_len=seq_len)
     bounds = chunk_bounds(x.shape[0], num_chunks)
 
     def in_chunks(xc, routing, _):  # the whole batch routed once, its keep decisions

@@ -339,6 +339,20 @@ def test_arguments_of_the_wrong_type_say_what_they_must_be():
         moe(x, dataclasses.asdict(params), cfg)
     with pytest.raises(TypeError, match=r"x must be an array, got list; pass jnp.asarray"):
         layer([[0.0] * 8])
+    with pytest.raises(TypeError, match=r"seq_len=3.0 must be a Python or NumPy integer"):
+        moe(x, params, cfg, seq_len=3.0)
+
+
+def test_seq_len_may_be_a_numpy_integer():
+    """A user trial: seq_len=np.int64(3) of T=6 was refused as "must be a positive
+    divisor of the T=6 tokens"; it now gives what seq_len=3 gives (per-sequence
+    balance loss: not what one sequence of 6 gives)."""
+    cfg = MoEConfig(num_experts=4, top_k=2, d_model=8, d_ff=8, seq_aux_loss_coef=0.1)
+    x = jax.random.normal(jax.random.key(5), (6, 8))
+    params = make(cfg).params()
+    want = moe(x, params, cfg, seq_len=3)[1]["seq_aux_loss"]
+    got = moe(x, params, cfg, seq_len=np.int64(3))[1]["seq_aux_loss"]
+    assert float(got) == float(want) != float(moe(x, params, cfg)[1]["seq_aux_loss"])
 
 
 @pytest.mark.parametrize("implementation, names", [

@@ -316,6 +316,9 @@ def test_sigmoid_router_with_underflowing_scores_stays_finite(implementation, no
     ("weight_side", dict(weight_side="both")),
     ("loss_convention", dict(loss_convention="switch")),
     ("swiglu_limit", dict(swiglu_limit=float("inf"))),
+    # GPT-OSS's clamp and slope with an activation that ignores them (a user trial)
+    ("swiglu_limit", dict(activation="swiglu", swiglu_limit=3.0)),
+    ("swiglu_alpha", dict(activation="gelu", swiglu_alpha=1.0)),
     ("shared_expert_gate", dict(shared_expert_gate=True)),
     ("router_bias", dict(router_bias="yes")),
     ("capacity_factor", dict(capacity_factor=0.0)),

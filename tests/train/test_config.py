@@ -106,7 +106,7 @@ def test_model_config_is_moe_config_for_the_moe_options():
     assert {"router_jitter", "shared_d_ff", "normalize_weights", "z_loss_coef"} <= set(MOE_KEYS)
     for key in MOE_KEYS:
         assert getattr(model, key) == defaults[key], key
-    overrides = dict(activation="geglu", router="sigmoid", normalize_weights=True,
+    overrides = dict(activation="clamped_swiglu", router="sigmoid", normalize_weights=True,
                      num_groups=2, topk_groups=1, routed_scaling_factor=2.0,
                      bias_update_rate=0.01, capacity_factor=1.5, drop_policy="probability",
                      num_shared_experts=1, shared_d_ff=32, router_jitter=0.1,
