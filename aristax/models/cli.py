@@ -95,7 +95,7 @@ def _generate(args: argparse.Namespace) -> int:
     model = from_pretrained(checkpoint, dtype=args.dtype)
     eos = () if args.eos_token_id == -1 else args.eos_token_id  # None: the checkpoint's
     ids, stats = generate_with_stats(
-        model, np.asarray([prompt], np.int32), args.max_new_tokens,
+        model, np.asarray([prompt]), args.max_new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_token_id=eos,
         rng=jax.random.key(args.seed))
     new = ids[0, len(prompt):].tolist()

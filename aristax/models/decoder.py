@@ -64,6 +64,31 @@ def check_token_ids(input_ids, vocab_size: int) -> None:
                          "the padding id")
 
 
+def check_call_inputs(input_ids, attention_mask, position_ids, cache) -> None:
+    """Raise naming the argument unless input_ids is an array [B, S], attention_mask
+    and position_ids are None or [B, S], and the cache has B rows and room for S more
+    tokens (its index is checked only when concrete: eager calls)."""
+    if not hasattr(input_ids, "ndim"):
+        raise TypeError(f"input_ids must be an integer array [batch, seq], got "
+                        f"{type(input_ids).__name__}; pass jnp.asarray(ids)")
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}")
+    B, S = input_ids.shape
+    for name, value in (("attention_mask", attention_mask), ("position_ids", position_ids)):
+        if value is not None and tuple(np.shape(value)) != (B, S):
+            raise ValueError(f"{name} has shape {tuple(np.shape(value))}; it must be "
+                             f"[batch, seq] = {(B, S)}, input_ids' shape")
+    if cache is None:
+        return
+    rows, length = cache.key_valid.shape
+    if rows != B:
+        raise ValueError(f"the cache holds {rows} rows and input_ids {B}: build it with "
+                         f"KVCache.init(config, batch={B}, length=...)")
+    if not isinstance(cache.index, jax.core.Tracer) and int(cache.index) + S > length:
+        raise ValueError(f"the cache has {length} slots, {int(cache.index)} written, and "
+                         f"{S} more tokens do not fit: build it with a longer length")
+
+
 # --------------------------------------------------------------------- pure functions
 def rms_norm(x: jax.Array, weight_d: jax.Array, eps: float) -> jax.Array:
     """weight * x / sqrt(mean(x^2) + eps), statistics in float32 (HF MixtralRMSNorm,
@@ -532,8 +557,7 @@ class DecoderLM(nnx.Module):
     def _run(self, input_ids, attention_mask, position_ids, cache, decode_weights,
              last_only) -> DecoderOutput:
         cfg = self.config
-        if input_ids.ndim != 2:
-            raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}")
+        check_call_inputs(input_ids, attention_mask, position_ids, cache)
         check_token_ids(input_ids, cfg.vocab_size)
         B, S = input_ids.shape
         valid = (jnp.ones((B, S), bool) if attention_mask is None
@@ -614,6 +638,7 @@ def forward(
     Calling the module directly runs op by op (each op compiled on first use); this
     traces the whole forward into one ``jax.jit`` program over ``nnx.split(model)``.
     """
+    check_call_inputs(input_ids, attention_mask, position_ids, None)
     check_token_ids(input_ids, model.config.vocab_size)
     graphdef, state = nnx.split(model)
     return _forward(graphdef, state, input_ids, attention_mask, position_ids,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Callable, Sequence
 
 import jax
@@ -56,11 +57,15 @@ def top_k_mask(logits: jax.Array, top_k: jax.Array) -> jax.Array:
 
 def next_token(logits, rng, temperature, top_k, top_p, do_sample: bool) -> jax.Array:
     """int32[B] from the last logits float[B, V]: argmax, or sampling after HF's
-    warpers in HF's order: temperature, top-k, top-p."""
+    warpers in HF's order: temperature, top-k, top-p. The logits are shifted by their
+    row maximum before the temperature divides them (every warper and the softmax are
+    shift-invariant), so a tiny temperature tends to argmax instead of overflowing to
+    inf and NaN."""
     logits = logits.astype(jnp.float32)
     if not do_sample:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = top_p_mask(top_k_mask(logits / temperature, top_k), top_p)
+    shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
+    logits = top_p_mask(top_k_mask(shifted / temperature, top_k), top_p)
     return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
@@ -171,10 +176,11 @@ class GenerationStats:
 
 def _check_arguments(ids: np.ndarray, max_new_tokens, temperature, top_k, top_p,
                      vocab_size: int) -> None:
-    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"input_ids must be an integer array [batch, seq], got "
-                         f"{ids.dtype}{list(ids.shape)}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer) or 0 in ids.shape:
+        raise ValueError(f"input_ids must be an integer array [batch, seq] of at least one "
+                         f"token, got {ids.dtype}{list(ids.shape)}")
+    if (not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool)
+            or max_new_tokens < 1):
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
     if not temperature >= 0:  # NaN too
         raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
@@ -236,6 +242,7 @@ def _special_ids(model: DecoderLM, eos_token_id, pad_token_id
     the first EOS id. EOS ids outside the vocabulary, which no step can produce, are
     refused, given or read from the configs."""
     given = eos_token_id is not None
+    pad_given = pad_token_id is not None
     gen = model.generation_config
     for source in (gen, model.config):
         eos_token_id = source.eos_token_id if eos_token_id is None else eos_token_id
@@ -250,6 +257,11 @@ def _special_ids(model: DecoderLM, eos_token_id, pad_token_id
                          "give an id in range, or none (() here, -1 on the command line)")
     if pad_token_id is None and eos:
         pad_token_id = eos[0]
+    if pad_token_id is not None and not 0 <= int(pad_token_id) < vocab:
+        where = "" if pad_given else " (the model's generation config or config.json)"
+        raise ValueError(f"pad_token_id {pad_token_id}{where} is outside this model's "
+                         f"vocabulary [0, {vocab}), and finished rows would be filled with "
+                         "it; give an id in range")
     return eos, pad_token_id
 
 
@@ -315,8 +327,15 @@ def generate_with_stats(
     ``do_sample`` compiles nothing.
     """
     ids = np.asarray(input_ids)
+    if rng is not None and not (isinstance(rng, jax.Array) and (
+            jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key) or rng.dtype == jnp.uint32)):
+        raise TypeError(f"rng must be a JAX PRNG key such as jax.random.key(0), got {rng!r}")
+    given = [name for name, v in (("top_k", top_k), ("top_p", top_p)) if v is not None]
     temperature, top_k, top_p = _sampling(model, temperature, top_k, top_p)
     _check_arguments(ids, max_new_tokens, temperature, top_k, top_p, model.config.vocab_size)
+    if temperature == 0 and given:
+        warnings.warn(f"{' and '.join(given)}: applied only when sampling (temperature > 0); "
+                      "this greedy decoding ignores it", UserWarning, stacklevel=3)
     eos, pad = _special_ids(model, eos_token_id, pad_token_id)
     mask = _prompt_mask(ids, attention_mask, pad, eos)
     position_ids = np.where(mask, np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
@@ -340,7 +359,11 @@ def generate_with_stats(
                            do_sample=do_sample)
 
     tokens, times, t0 = _run_steps(prefill, step, max_new_tokens, bool(eos))
-    out = np.concatenate([ids, np.stack(tokens, axis=1).astype(ids.dtype)], axis=1)
+    # the prompt's dtype when it holds every id of the vocabulary (a uint8 prompt of a
+    # larger vocabulary would wrap the new ids), else int32
+    holds = np.iinfo(ids.dtype).max >= model.config.vocab_size - 1
+    out = np.concatenate([ids, np.stack(tokens, axis=1)], axis=1).astype(
+        ids.dtype if holds else np.int32)
     return out, GenerationStats.from_times(t0, times)
 
 

@@ -23,7 +23,8 @@ NOT_APPLIED = {
     "suppress_tokens": None, "begin_suppress_tokens": None, "forced_bos_token_id": None,
     "forced_eos_token_id": None, "encoder_repetition_penalty": 1.0,
     "penalty_alpha": None, "guidance_scale": None, "num_return_sequences": 1,
-    "sequence_bias": None, "exponential_decay_length_penalty": None,
+    "sequence_bias": None, "exponential_decay_length_penalty": None, "top_h": None,
+    "stop_strings": None, "max_time": None, "watermarking_config": None,
 }
 
 

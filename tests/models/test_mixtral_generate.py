@@ -109,12 +109,72 @@ def test_sampling(small_pair):
     (dict(input_ids=np.array([[-1, 3]])), r"from -1 to 3, outside .* vocabulary"),
     # a mask inferred from the pad id (no attention_mask given) must be left-padded too
     (dict(input_ids=np.array([[5, 0, 3]]), pad_token_id=0), "inferred from pad_token_id=0"),
+    # user trials: an empty prompt gave an IndexError, a pad id outside the vocabulary
+    # filled finished rows with it
+    (dict(input_ids=np.zeros((1, 0), np.int32)), "at least one token"),
+    (dict(input_ids=np.zeros((0, 3), np.int32)), "at least one token"),
+    (dict(pad_token_id=160, eos_token_id=2), r"pad_token_id 160 is outside .*\[0, 160\)"),
+    (dict(pad_token_id=-1, eos_token_id=2), r"pad_token_id -1 is outside"),
 ])
 def test_generate_argument_errors(small_pair, kwargs, match):
     args = dict(input_ids=np.ones((1, 3), np.int32), max_new_tokens=4)
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         generate(small_pair.ours, args.pop("input_ids"), args.pop("max_new_tokens"), **args)
+
+
+def test_generate_takes_numpy_counts_and_refuses_a_key_that_is_not_one(small_pair):
+    ids = np.ones((1, 3), np.int32)
+    want = generate(small_pair.ours, ids, 3)
+    np.testing.assert_array_equal(generate(small_pair.ours, ids, np.int64(3)), want)
+    with pytest.raises(TypeError, match="rng must be a JAX PRNG key"):
+        generate(small_pair.ours, ids, 2, temperature=1.0, rng=3)
+    with pytest.warns(UserWarning, match="top_k: applied only when sampling"):
+        np.testing.assert_array_equal(generate(small_pair.ours, ids, 3, top_k=1), want)
+
+
+def test_new_ids_are_not_wrapped_by_a_small_prompt_dtype(small_pair):
+    """A user trial: a uint8 prompt of a larger vocabulary got its new ids cast to
+    uint8 (325 -> 69). The output keeps the prompt's dtype only when it holds every id."""
+    ids = np.array([[7, 200 % 160, 3]])
+    want = generate(small_pair.ours, ids.astype(np.int32), 12)
+    assert want.max() > 127  # ids past int8's range came out (vocabulary 160)
+    for dtype in (np.uint8, np.int8, np.int16):
+        got = generate(small_pair.ours, ids.astype(dtype), 12)
+        np.testing.assert_array_equal(got, want)
+        assert got.dtype == (dtype if np.iinfo(dtype).max >= 159 else np.int32)
+
+
+def test_a_tiny_temperature_samples_the_argmax(small_pair):
+    """A user trial: temperature 1e-40 made logits / temperature overflow to inf and
+    the softmax NaN, and sampling returned tokens 0 and 1. The limit is greedy."""
+    ids = np.array([[5, 9, 3], [1, 2, 4]])
+    greedy = generate(small_pair.ours, ids, 6)
+    for t in (1e-30, 1e-40, 1e-45):
+        got = generate(small_pair.ours, ids, 6, temperature=t, top_k=0, rng=jax.random.key(1))
+        np.testing.assert_array_equal(got, greedy)
+
+
+def test_model_call_names_a_bad_argument(small_pair):
+    """User trials: wrong mask or position shapes, a list of ids, and a cache that is
+    too short or of another batch gave broadcasting errors, or (a full cache) wrong
+    logits with no error: dynamic_update_slice clamps the write to the last slot."""
+    from aristax.models import KVCache
+
+    model, ids = small_pair.ours, jnp.asarray([[3, 4, 5]])
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(1, 4\); it must be"):
+        forward(model, ids, jnp.ones((1, 4)))
+    with pytest.raises(ValueError, match=r"position_ids has shape \(3,\)"):
+        model(ids, position_ids=jnp.arange(3))
+    with pytest.raises(TypeError, match="input_ids must be an integer array"):
+        forward(model, [[3, 4, 5]])
+    cache = KVCache.init(model.config, batch=1, length=4)
+    out = model(ids, cache=cache)
+    model(jnp.asarray([[6]]), cache=out.cache)  # the fourth slot: fits
+    with pytest.raises(ValueError, match="the cache has 4 slots, 3 written, and 2 more"):
+        model(jnp.asarray([[6, 7]]), cache=out.cache)
+    with pytest.raises(ValueError, match="the cache holds 1 rows and input_ids 2"):
+        model(jnp.asarray([[6], [7]]), cache=out.cache)
 
 
 def test_forward_refuses_ids_outside_the_vocabulary(small_pair):
@@ -141,6 +201,8 @@ def _run_cli(argv, capsys):
     (["--ids", "1", "--top-k", "-2"], r"--top-k=-2 must be >= 0"),
     (["--ids", "1", "--dtype", "foo"], "--dtype='foo' is invalid"),
     (["--ids", "1", "999"], r"outside this model's vocabulary \[0, 160\)"),
+    # past int32: a traceback (OverflowError) before
+    (["--ids", "1", "4294967301"], r"4294967301, outside this model's vocabulary"),
     (["--text", "w1"], "--text needs .*tokenizer.json"),
     (["--ids", "1", "--eos-token-id", "999"],  # never produced: it would never stop
      r"eos_token_id 999 is outside this model's vocabulary \[0, 160\)"),
