@@ -277,7 +277,8 @@ class MoEConfig:
         the result equals ``num_chunks=1`` (``aristax.parallel.overlap``). None: the
         plan's count when the layer carries out a plan, else 1 (no chunking). The
         ``MoE`` layer caps it at one chunk per token of each shard (a short batch,
-        e.g. one decode token, runs with fewer chunks).
+        e.g. one decode token per shard, runs with fewer chunks; under expert
+        parallelism the token count must still divide over the token shards).
       exchange: expert-parallel token exchange, the all-to-all strategy ("padded",
         "ragged", ...; see ``EXCHANGES``); None picks it from the platform.
     """

@@ -216,10 +216,19 @@ def route(
         experts are selected but never the combine weights (DeepSeek-V3 eq. 16).
     Returns:
       ``Routing``. Tokens whose logits are not all finite get ``mask`` False in every
-      choice, weight 0 and probs 0, so they go nowhere and cannot disturb the others.
+      choice, weight 0 and probs 0, so they go nowhere and cannot disturb the others'
+      routing. They still count in the T of the balance losses (``load_balancing_loss``:
+      f_i is each expert's share of all T tokens' choices), which they lower;
+      ``router_z_loss`` leaves them out.
     Raises:
+      TypeError: cfg is not a ``RouterConfig`` (e.g. a ``MoEConfig``: pass its
+        ``router_config``).
       ValueError: logits is not [T, E] or bias not [E], E = ``cfg.num_experts``.
     """
+    if not isinstance(cfg, RouterConfig):
+        raise TypeError(f"cfg must be a RouterConfig, got {type(cfg).__name__}; from a "
+                        "MoEConfig pass config.router_config")
+    bias = None if bias is None else jnp.asarray(bias)
     E = cfg.num_experts
     if logits.ndim != 2 or logits.shape[1] != E:
         raise ValueError(f"logits has shape {logits.shape}; route takes logits[T, E] with "

@@ -364,6 +364,22 @@ def test_routing_settings_are_accepted_where_they_act():
     MoEConfig(**base, num_groups=2, group_score="max")
 
 
+def test_route_names_a_config_of_the_wrong_type():
+    """A user trial: route(logits, MoEConfig) routed token choice silently and failed
+    for expert choice with an AttributeError; a list bias failed with another. A
+    MoEConfig is refused naming router_config; a list bias is taken as an array."""
+    cfg = MoEConfig(num_experts=4, top_k=2, d_model=8, d_ff=8)
+    logits = jax.random.normal(jax.random.key(0), (6, 4))
+    with pytest.raises(TypeError, match="cfg must be a RouterConfig, got MoEConfig; .*"
+                                        "router_config"):
+        route(logits, cfg)
+    bias = [0.0, 0.0, 0.0, 5.0]
+    got = route(logits, cfg.router_config, bias=bias)
+    want = route(logits, cfg.router_config, bias=jnp.asarray(bias))
+    np.testing.assert_array_equal(np.asarray(got.expert_ids), np.asarray(want.expert_ids))
+    assert np.all(np.any(np.asarray(got.expert_ids) == 3, axis=1))  # the bias picks 3
+
+
 @pytest.mark.parametrize("field,kwargs", [
     ("router", dict(router="foo")),
     ("top_k", dict(top_k=5)),

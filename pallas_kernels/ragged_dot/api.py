@@ -35,6 +35,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from aristax.pallas_kernels import frontdoor
 from aristax.pallas_kernels.ragged_dot import mosaic_gpu, reference, triton, xla
@@ -74,6 +75,10 @@ def _validate(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> None:
             f"group_sizes must be an integer array of shape [G]=({rhs.shape[0]},); got "
             f"{group_sizes.dtype}{list(group_sizes.shape)}"
         )
+    if not isinstance(group_sizes, jax.core.Tracer):  # concrete (an eager call): checked
+        sizes = np.asarray(group_sizes)
+        if sizes.min(initial=0) < 0:
+            raise ValueError(f"group_sizes={sizes.tolist()} must be >= 0: rows per group")
 
 
 def _choose(names: Sequence[str], lhs, rhs, group_sizes, out_dtype, interpret) -> str:
@@ -169,7 +174,9 @@ def ragged_dot(
 
     Args:
       lhs: [M, K], rows grouped consecutively. rhs: [G, K, N].
-      group_sizes: int32[G] rows per group (sum <= M; later rows give zeros).
+      group_sizes: int32[G] rows per group, >= 0 (refused when concrete). Rows past
+        sum(group_sizes) give zeros; groups past row M lose those rows, as in
+        ``jax.lax.ragged_dot``.
       preferred_element_type: accumulation/output dtype (e.g. float32 for bf16 inputs).
       implementation: backend name or ordered list of names from ``BACKENDS``; None =
         the best available for the platform (``DEFAULT_ORDER``), ending in "reference".

@@ -336,6 +336,8 @@ def test_invalid_implementation_raises(implementation):
     ((13, 6), (2, 8, 4), np.zeros(2, np.int32), "disagree on K"),
     ((13, 8), (2, 8, 4), np.zeros(3, np.int32), r"group_sizes must be .* \[G\]=\(2,\)"),
     ((13, 8), (2, 8, 4), np.zeros(2, np.float32), "group_sizes must be an integer array"),
+    # a user trial: all zeros came back, with no error
+    ((13, 8), (2, 8, 4), np.array([-2, 5], np.int32), r"group_sizes=\[-2, 5\] must be >= 0"),
 ])
 def test_bad_operands_name_the_argument(lhs_shape, rhs_shape, sizes, words):
     with pytest.raises(ValueError, match=words):
