@@ -265,8 +265,9 @@ def schedule_all_to_all(traffic, bandwidth=None, *, max_rounds: int | None = Non
     d = _traffic(traffic)
     n = d.shape[0]
     b = _bandwidth(bandwidth, n)
-    if max_rounds is not None and max_rounds < 1:
-        raise ValueError(f"max_rounds must be >= 1, got {max_rounds}.")
+    if max_rounds is not None and (isinstance(max_rounds, bool) or not isinstance(
+            max_rounds, (int, np.integer)) or max_rounds < 1):
+        raise ValueError(f"max_rounds must be an integer >= 1 or None, got {max_rounds!r}.")
     lb = lower_bound(d, b)
     if n == 0 or not d.any():
         return Schedule((), lb)

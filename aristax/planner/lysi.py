@@ -92,6 +92,8 @@ class Workload:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"Workload.{name} must be a positive integer, got {value!r}.")
+        if not isinstance(self.training, (bool, np.bool_)):
+            raise ValueError(f"Workload.training must be True or False, got {self.training!r}.")
         if not (self.recompute >= 0 and self.eta > 0 and np.isfinite([self.recompute, self.eta]).all()):
             raise ValueError(f"Workload.recompute must be finite and >= 0 and Workload.eta finite "
                              f"and > 0, got recompute={self.recompute!r}, eta={self.eta!r}.")
@@ -548,6 +550,8 @@ def lysi_assign(flops: Sequence[float], capacity: Sequence[int], expert_costs: S
     f = np.asarray(flops, dtype=np.float64)
     m = np.asarray(capacity)
     c = np.asarray(expert_costs, dtype=np.float64)
+    if not (np.issubdtype(m.dtype, np.integer) or np.issubdtype(m.dtype, np.floating)):
+        raise ValueError(f"capacity must hold one non-negative integer per worker, got {m!r}.")
     if f.ndim != 1 or f.size == 0 or np.any(~np.isfinite(f)) or np.any(f <= 0):
         raise ValueError("flops must be a non-empty 1-D array of positive FLOP/s, one per worker.")
     if m.shape != f.shape or np.any(m < 0) or np.any(m != np.round(m)):

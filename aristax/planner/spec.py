@@ -53,6 +53,13 @@ class ModelSpec:
     router_partitionable: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.router_partitionable, (bool, np.bool_)):
+            raise ValueError(f"router_partitionable must be True or False, got "
+                             f"{self.router_partitionable!r}.")
+        if self.expert_load is not None and np.ndim(self.expert_load) != 1:
+            raise ValueError(f"expert_load must be a sequence of {self.num_experts} "
+                             f"(num_experts) shares, got {self.expert_load!r}; pass None for "
+                             "uniform routing.")
         if self.expert_load is not None:
             load = tuple(float(x) for x in self.expert_load)
             if len(load) != self.num_experts or not all(np.isfinite(load)) or min(load) < 0 or sum(load) <= 0:
@@ -215,9 +222,12 @@ def _validate(p: Plan) -> None:
         if from_reps != from_place:
             raise ValueError(f"replicas[{g}] and placement[{g}] disagree on which device holds which expert.")
         for k, r in enumerate(sched.rounds):
-            for i, j, _ in r.sends:
+            for i, j, amount in r.sends:
                 if not (0 <= i < len(group) and 0 <= j < len(group)):
                     raise ValueError(f"schedules[{g}] sends {i}->{j}; use local indices < {len(group)}.")
+                if not amount >= 0:
+                    raise ValueError(f"schedules[{g}] round {k} sends {amount} from {i} to {j}; "
+                                     "amounts are non-negative.")
             senders, receivers = [i for i, _, _ in r.sends], [j for _, j, _ in r.sends]
             if len(set(senders)) != len(senders) or len(set(receivers)) != len(receivers):
                 raise ValueError(f"schedules[{g}] round {k} has a device sending or receiving twice; "

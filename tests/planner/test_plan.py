@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 
 from aristax.planner import Plan, ModelSpec, Topology, make_plan
+from aristax.planner import aurora
+from aristax.planner.lysi import lysi_assign
 from aristax.planner.plan import baseline_groups, dispatch_times, equal_size_groups
+from aristax.planner.replication import replicate_experts
 from aristax.planner.topology import dgx_h100, heterogeneous_mix, perlmutter, uniform
 
 ZIPF16 = tuple(float(x) for x in np.random.default_rng(0).zipf(1.5, 16))
@@ -124,6 +127,10 @@ def test_validation_errors():
     clash[0]["rounds"][0]["sends"] = [[0, 1, 1e-6], [0, 1, 1e-6]]
     with pytest.raises(ValueError, match="round 0 has a device sending or receiving twice"):
         Plan.from_json(broken(schedules=clash))
+    negative = json.loads(json.dumps(d["schedules"]))  # a user trial: accepted before
+    negative[0]["rounds"][0]["sends"][0][2] = -5.0
+    with pytest.raises(ValueError, match="sends -5.0 from .* amounts are non-negative"):
+        Plan.from_json(broken(schedules=negative))
     with pytest.raises(TypeError, match="topology must be an aristax.planner.Topology.*preset"):
         make_plan("perlmutter:4", model)
     with pytest.raises(ValueError, match="missing"):
@@ -189,6 +196,25 @@ def test_only_the_kept_grouping_builds_its_schedules(monkeypatch):
         assert times[plan.meta["grouping"]] <= times[kind]
     assert simulate(plan, top, model).iteration == pytest.approx(
         times[plan.meta["grouping"]], rel=1e-9)
+
+
+@pytest.mark.parametrize("call, match", [
+    # user trials: accepted as truthy, rounded, or failing inside NumPy
+    (lambda: ModelSpec(num_experts=4, training="no"), "training must be True or False"),
+    (lambda: ModelSpec(num_experts=4, router_partitionable="no"),
+     "router_partitionable must be True or False"),
+    (lambda: ModelSpec(num_experts=4, expert_load=5), "expert_load must be a sequence of 4"),
+    (lambda: aurora.schedule_all_to_all(np.ones((3, 3)), max_rounds=2.5),
+     "max_rounds must be an integer >= 1 or None, got 2.5"),
+    (lambda: aurora.schedule_all_to_all(np.ones((3, 3)), max_rounds=True), "got True"),
+    (lambda: aurora.schedule_all_to_all(np.ones((3, 3)), max_rounds="3"), "got '3'"),
+    (lambda: lysi_assign([1e12, 1e12], ["2", "2"], [1.0, 1.0]),
+     "capacity must hold one non-negative integer per worker"),
+    (lambda: replicate_experts(np.ones(4), 4.0, 2), "num_replicas must be an integer, got 4.0"),
+])
+def test_planner_arguments_of_the_wrong_kind_are_named(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
 
 
 def brute_force_equal_groupings(v: int, size: int):
