@@ -200,8 +200,11 @@ def layout_expert_weights(w, perm: Sequence[int], *, inverse: bool = False):
     its first slot."""
     perm = np.asarray(perm, dtype=np.int32)
     # a gather along a dimension sharded over Explicit axes (after nnx.jit on a mesh
-    # from a plan) needs those axes Auto; the result is replicated
+    # from a plan) needs those axes Auto; the result is replicated. A NumPy array (a
+    # checkpoint on the host) is gathered by NumPy.
     def gather(w, rows):
+        if isinstance(w, np.ndarray):
+            return w[rows]
         return on_auto_axes(lambda w: w[rows], w, out_sharding=P())
 
     if inverse:

@@ -165,7 +165,10 @@ class Checkpointer:
         """``state``: a pure dict of arrays (model and optimizer, physical order);
         written by orbax in the background, with the checksums in its meta."""
         self.poll(wait=True)  # the previous save: finished and read back
-        host = jax.tree.map(_to_host, _move_experts(state, self.expert_perm, inverse=True))
+        # gathered to the host first, then reordered there: an eager gather of a
+        # weight sharded over several processes, interleaved with process_allgather,
+        # hung a 4-process launch (each process waiting in another collective)
+        host = _move_experts(jax.tree.map(_to_host, state), self.expert_perm, inverse=True)
         meta = dict(meta, step=step, checksums=tree_checksums(host),
                     data_checksum=json_checksum(data_state))
         try:
@@ -286,7 +289,7 @@ class Checkpointer:
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.manager.directory}: run without "
                                     "checkpoint.resume=true first")
-        target = jax.tree.map(_to_host, _move_experts(template, self.expert_perm, inverse=True))
+        target = _move_experts(jax.tree.map(_to_host, template), self.expert_perm, inverse=True)
         out = self._read(step, target)
         mismatched = [(jax.tree_util.keystr(path), np.shape(a), np.shape(b)) for (path, a), b
                       in zip(jax.tree_util.tree_leaves_with_path(out["state"]),
