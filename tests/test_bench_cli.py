@@ -37,6 +37,20 @@ def test_bench_passes_the_remaining_arguments_to_the_script(capfd):
     assert cli.main(["bench", "planner_lysi_scaling", "--repeats", "x"]) == 2  # its own error
 
 
+@pytest.mark.parametrize("argv, words", [
+    # a user trial: "foo" ran uniform routing labelled "foo"; 0 rounds wrote NaN
+    # medians; a short shape gave a traceback; an unknown exchange was dropped
+    (["moe_layer", "--loads", "foo"], "--loads 'foo': choose from uniform,zipf"),
+    (["moe_layer", "--rounds", "0"], "--rounds 0: at least 1"),
+    (["moe_layer", "--shapes", "64,16,32"], "--shapes '64,16,32': give T,D,F,E,K"),
+    (["ep_layer", "--exchanges", "bogus"], "['bogus'] are not exchanges"),
+])
+def test_bench_arguments_are_checked_before_anything_runs(argv, words, capfd):
+    assert cli.main(["bench", *argv]) == 2
+    err = capfd.readouterr().err
+    assert words in err and "Traceback" not in err
+
+
 def _bench_copy(name, tmp_path, monkeypatch):
     """``aristax bench`` runs a copy of the script, so that one which ignores its
     arguments writes under tmp_path, not over the committed results."""

@@ -183,6 +183,8 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         cfg: TrainConfig = OmegaConf.to_object(merged)
     except ConfigError:
         raise
+    except OSError as err:  # the file: "PATH: reason", without the errno
+        raise ConfigError(f"{path}: {err.strerror or err}") from None
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None)
         raise ConfigError(f"config key {key!r}: {err}".split("\n")[0] if key else str(err)) from None

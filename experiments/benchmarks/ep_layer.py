@@ -150,8 +150,12 @@ def main() -> None:
     shape = tuple(int(v) for v in ARGS.mesh.split("x"))
     mesh = jax.make_mesh(shape, ("data", "expert"))
     chunks = [int(c) for c in ARGS.chunks.split(",")]
+    unknown = set(ARGS.exchanges.split(",")) - set(EXCHANGES)
+    if unknown:
+        _args.error(f"--exchanges: {sorted(unknown)} are not exchanges; choose from "
+                    f"{','.join(EXCHANGES)}")
     exchanges = [e for e in ARGS.exchanges.split(",")
-                 if e in EXCHANGES and (e != "ragged" or jax.default_backend() != "cpu")]
+                 if e != "ragged" or jax.default_backend() != "cpu"]  # XLA:CPU has none
     note = (f"{len(jax.devices())} {jax.default_backend()} devices share "
             f"{os.cpu_count()} CPU cores of one host (forced host platform devices): EP "
             "numbers measure exchange/padding/chunking overhead, not speed-up; "

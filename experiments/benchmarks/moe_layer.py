@@ -300,14 +300,25 @@ def main() -> None:
                         help="the HF block computed (and its peers)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    try:
+        shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(s) != 5 or min(s) < 1 for s in shapes):
+        parser.error(f"--shapes {args.shapes!r}: give T,D,F,E,K of positive integers, "
+                     "shapes separated by ';'")
+    loads = args.loads.split(",")
+    if not set(loads) <= {"uniform", "zipf"}:
+        parser.error(f"--loads {args.loads!r}: choose from uniform,zipf")
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: at least 1")
     name = "moe_layer" if args.block == "mixtral" else f"moe_layer_{args.block}"
     out = Path(args.out or Path(__file__).resolve().parent / "results"
                / f"{name}_{jax.default_backend()}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"machine": machine(), "dtype": "float32", "rows": []}
-    for shape in args.shapes.split(";"):
-        T, D, F, E, K = (int(v) for v in shape.split(","))
-        for load in args.loads.split(","):
+    for T, D, F, E, K in shapes:
+        for load in loads:
             result["rows"].append(bench(T, D, F, E, K, load, args.rounds, not args.no_hf,
                                         args.block))
             out.write_text(json.dumps(result, indent=1))

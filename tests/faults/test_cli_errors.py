@@ -88,6 +88,14 @@ def test_argument_errors_are_one_line():
     assert "--experts" in line and "aristax plan --help" in line, line
 
 
+def test_a_missing_config_file_is_named_once(tmp_path):
+    """A user trial: "PATH: [Errno 2] No such file or directory: 'PATH'" (the errno and
+    the path twice), against cli.describe's "FILE: reason"."""
+    missing = tmp_path / "none.yaml"
+    line = one_line_error(aristax("train", str(missing)), "train")
+    assert line == f"aristax train: {missing}: No such file or directory", line
+
+
 # ------------------------------------------------------------------- generate
 def test_generate_truncated_weight_file(tmp_path):
     ckpt = checkpoint(tmp_path / "ckpt")
