@@ -328,13 +328,14 @@ def expert_parallel_options(plan, mesh, *, platform: str | None = None,
         exchange = ("hierarchical" if isinstance(expert_axis, tuple)
                     else default_exchange(platform))
     check_exchange(exchange)
-    slowest = max(plan.schedules, key=lambda s: s.makespan)
+    schedule = (rounds_from_schedule(max(plan.schedules, key=lambda s: s.makespan))
+                if exchange == "scheduled" else None)
     return {
         "expert_perm": None if identity else tuple(int(p) for p in perm),
         "expert_axis": expert_axis,
         "exchange": exchange,
         "num_chunks": chunks,
-        "schedule": rounds_from_schedule(slowest) if exchange == "scheduled" else None,
+        "schedule": schedule,
     }
 
 

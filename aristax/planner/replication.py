@@ -33,6 +33,8 @@ import heapq
 
 import numpy as np
 
+from aristax.planner.topology import check_int
+
 
 @dataclasses.dataclass(frozen=True)
 class Replication:
@@ -186,10 +188,8 @@ def replicate_experts(load, num_replicas: int, num_gpus: int, *, num_nodes: int 
     replicas within nodes, replicas -> GPUs); global otherwise. ``improve=False`` is
     plain EPLB; ``improve=True`` never has a higher maximum GPU load (module doc).
     """
-    for name, value in (("num_replicas", num_replicas), ("num_gpus", num_gpus),
-                        ("num_nodes", num_nodes), ("num_groups", num_groups)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise ValueError(f"{name} must be an integer, got {value!r}.")
+    check_int("replicate_experts", num_replicas=num_replicas, num_gpus=num_gpus,
+              num_nodes=num_nodes, num_groups=num_groups)
     load = np.asarray(load, dtype=np.float64)
     e = len(load)
     if load.ndim != 1 or e == 0 or np.any(~np.isfinite(load)) or np.any(load < 0):

@@ -48,7 +48,7 @@ def check_num_devices(num_devices: int, what: str, fix: str) -> None:
                          f"{gib:,.1f} GiB): {fix}.")
 
 
-def _check_int(what: str, **counts: Any) -> None:
+def check_int(what: str, **counts: Any) -> None:
     """ValueError unless every count is an integer (not a bool, a float or a string)."""
     for name, value in counts.items():
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -265,7 +265,7 @@ def two_level(
     name: str,
 ) -> Topology:
     """Devices in ``nodes`` hosts of ``gpus_per_node``; one (alpha, beta) inside a host, one across."""
-    _check_int(name, nodes=nodes, gpus_per_node=gpus_per_node)
+    check_int(name, nodes=nodes, gpus_per_node=gpus_per_node)
     if nodes < 1 or gpus_per_node < 1:
         raise ValueError(f"{name}: nodes and gpus_per_node must be >= 1, got {nodes}, "
                          f"{gpus_per_node}; give at least one node, e.g. perlmutter:4.")
@@ -346,7 +346,7 @@ def heterogeneous_mix(h100_nodes: int = 1, a100_nodes: int = 2) -> Topology:
     Perlmutter numbers), since traffic between the two kinds crosses the slower NIC.
     FLOP/s and expert capacity are per device, from the presets.
     """
-    _check_int("heterogeneous_mix", h100_nodes=h100_nodes, a100_nodes=a100_nodes)
+    check_int("heterogeneous_mix", h100_nodes=h100_nodes, a100_nodes=a100_nodes)
     if h100_nodes < 0 or a100_nodes < 0 or h100_nodes + a100_nodes == 0:
         raise ValueError(f"heterogeneous_mix: h100_nodes and a100_nodes must be >= 0 and not "
                          f"both 0, got {h100_nodes}, {a100_nodes}; e.g. heterogeneous_mix:1,2.")
@@ -391,7 +391,7 @@ PRESETS = {"perlmutter": perlmutter, "dgx_h100": dgx_h100, "heterogeneous_mix": 
 def uniform(num_devices: int, *, alpha: float = 1e-5, beta: float = 1e-11, flops: float = 1e14,
             expert_capacity: int = 8) -> Topology:
     """Single-level topology (every pair alike); handy for tests and examples."""
-    _check_int("uniform", num_devices=num_devices)
+    check_int("uniform", num_devices=num_devices)
     if num_devices < 1:
         raise ValueError(f"uniform: num_devices must be >= 1, got {num_devices}; e.g. uniform:8.")
     check_num_devices(num_devices, "uniform", f"give at most {MAX_DEVICES} devices")

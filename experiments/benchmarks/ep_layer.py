@@ -137,6 +137,10 @@ def ratio_table(results: dict) -> str:
 
 
 def main() -> None:
+    unknown = set(ARGS.exchanges.split(",")) - set(EXCHANGES)
+    if unknown:
+        _args.error(f"--exchanges: {sorted(unknown)} are not exchanges; choose from "
+                    f"{','.join(EXCHANGES)}")
     cfg = MoEConfig(num_experts=ARGS.experts, top_k=ARGS.top_k, d_model=ARGS.d_model,
                     d_ff=ARGS.d_ff, capacity_factor=ARGS.capacity_factor)
     dense_cfg = cfg.replace(capacity_factor=ARGS.dense_capacity_factor)
@@ -150,10 +154,6 @@ def main() -> None:
     shape = tuple(int(v) for v in ARGS.mesh.split("x"))
     mesh = jax.make_mesh(shape, ("data", "expert"))
     chunks = [int(c) for c in ARGS.chunks.split(",")]
-    unknown = set(ARGS.exchanges.split(",")) - set(EXCHANGES)
-    if unknown:
-        _args.error(f"--exchanges: {sorted(unknown)} are not exchanges; choose from "
-                    f"{','.join(EXCHANGES)}")
     exchanges = [e for e in ARGS.exchanges.split(",")
                  if e != "ragged" or jax.default_backend() != "cpu"]  # XLA:CPU has none
     note = (f"{len(jax.devices())} {jax.default_backend()} devices share "
