@@ -145,13 +145,21 @@ class MosaicTiles:
         (results/gpu_check_h200_4.json, one run): bands of 16 against row-major 1.69
         against 2.02 ms forward, 5.32 against 6.11 ms forward + backward; warp
         specialized against one warpgroup 1.59 against 1.69 ms, 4.78 against 5.32 ms.
-        gpu_check.py times the alternatives beside it (``TILE_VARIANTS``).
+        tgmm warp-specialized the same way (``tgmm_compute_wgs=2``, tiles of
+        [tgmm_block_k, 256]) where 256 divides N: forward + backward against one
+        warpgroup, bf16, uniform / Zipf load, on H200s (results/gpu_check_h200_6.json,
+        gpu_check_h200_7*.json): Mixtral 4.95 / 5.61 against 4.97 / 5.81 ms and
+        4.99 / 5.80 against 5.21 / 5.86 ms; fine-grained (E 128) 0.59 / 0.77 against
+        0.66 / 0.81 ms. gpu_check.py times the alternatives beside it
+        (``TILE_VARIANTS``).
         """
         avg_rows = m / max(num_groups, 1)
         block_m = 64 if avg_rows < 128 else 128
         block_n = 128 if n % 128 == 0 else ALIGN
         block_k = ALIGN
         compute_wgs = 2 if n % (2 * block_n) == 0 else 1
+        tgmm_block_n = 128 if n % 128 == 0 else ALIGN
+        tgmm_compute_wgs = 2 if n % (2 * tgmm_block_n) == 0 else 1
         steps = max(1, min(4, k // block_k))
         return cls(
             block_m=block_m,
@@ -161,8 +169,9 @@ class MosaicTiles:
             compute_wgs=compute_wgs,
             tgmm_block_m=64,
             tgmm_block_k=128 if k % 128 == 0 else ALIGN,
-            tgmm_block_n=128 if n % 128 == 0 else ALIGN,
+            tgmm_block_n=tgmm_block_n,
             tgmm_max_concurrent_steps=3,
+            tgmm_compute_wgs=tgmm_compute_wgs,
         )
 
     def smem_bytes(self, in_itemsize: int, out_itemsize: int, *, tgmm: bool,

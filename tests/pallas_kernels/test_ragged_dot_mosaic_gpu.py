@@ -352,9 +352,13 @@ def test_tiles_validation_and_heuristic():
         assert t.fit(k, n, bf16, bf16) == t  # already divides and fits
         # a float32 output beside the warp-specialized pipeline may take it shallower
         f32_out = t.fit(k, n, bf16, f32)
-        assert dataclasses.replace(f32_out, max_concurrent_steps=t.max_concurrent_steps) == t
-        assert f32_out.smem_bytes(2, 4, tgmm=False) <= mgpu.SMEM_BYTES
-        assert t.compute_wgs == (2 if n % 256 == 0 else 1)  # warp-specialized where it fits
+        assert dataclasses.replace(
+            f32_out, max_concurrent_steps=t.max_concurrent_steps,
+            tgmm_max_concurrent_steps=t.tgmm_max_concurrent_steps) == t
+        for tgmm in (False, True):
+            assert f32_out.smem_bytes(2, 4, tgmm=tgmm) <= mgpu.SMEM_BYTES
+        # warp-specialized where two compute warpgroups' 128-column tiles divide N
+        assert t.compute_wgs == t.tgmm_compute_wgs == (2 if n % 256 == 0 else 1)
         dlhs = t.fit(n, k, bf16, bf16)  # the backward's dlhs = gmm(dout, rhs^T)
         assert dlhs.block_k == t.block_k and dlhs.block_m == t.block_m
         assert 1 <= t.max_concurrent_steps <= max(1, k // t.block_k)
