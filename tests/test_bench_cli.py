@@ -41,9 +41,19 @@ def test_bench_passes_the_remaining_arguments_to_the_script(capfd):
     # a user trial: "foo" ran uniform routing labelled "foo"; 0 rounds wrote NaN
     # medians; a short shape gave a traceback; an unknown exchange was dropped
     (["moe_layer", "--loads", "foo"], "--loads 'foo': choose from uniform,zipf"),
-    (["moe_layer", "--rounds", "0"], "--rounds 0: at least 1"),
+    (["moe_layer", "--rounds", "0"], "argument --rounds: '0': give an integer >= 1"),
     (["moe_layer", "--shapes", "64,16,32"], "--shapes '64,16,32': give T,D,F,E,K"),
     (["ep_layer", "--exchanges", "bogus"], "['bogus'] are not exchanges"),
+    # the other scripts' numbers and lists: tracebacks (or a silent empty run) before
+    (["ep_layer", "--mesh", "abc"], "argument --mesh: 'abc': give axis sizes >= 1 joined by x"),
+    (["ep_layer", "--mesh", "3x3"], "--mesh 3x3: give data x expert sizes whose product is "
+                                    "--devices 8"),
+    (["ep_layer", "--chunks", "1,,2"], "argument --chunks: '1,,2': give integers >= 1"),
+    (["planner_lysi_scaling", "--repeats", "0"], "argument --repeats: '0': give an integer"),
+    (["ragged_dot_cpu", "--rounds", "-1"], "argument --rounds: '-1': give an integer >= 1"),
+    (["decode_vs_hf", "--batch", "-2"], "argument --batch: '-2': give an integer >= 0"),
+    (["kernels", "--repeats", "x"], "argument --repeats: 'x' is not an integer"),
+    (["gpu_check", "--budget-s", "nan"], "argument --budget-s: 'nan': give a finite number > 0"),
 ])
 def test_bench_arguments_are_checked_before_anything_runs(argv, words, capfd):
     assert cli.main(["bench", *argv]) == 2

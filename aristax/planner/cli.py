@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import io
+import re
 from pathlib import Path
 
 from rich import box
@@ -23,6 +24,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from aristax.argtypes import positive_int
 from aristax.planner.plan import make_plan
 from aristax.planner.plot import plot_plan
 from aristax.planner.simulate import simulate
@@ -96,6 +98,11 @@ def format_plan(plan: Plan, topology: Topology, iteration: float | None = None, 
     return console.file.getvalue()
 
 
+# ModelSpec's fields by the flag that sets them
+SPEC_FLAGS = {"num_experts": "--experts", "top_k": "--top-k", "d_model": "--d-model",
+              "d_ff": "--d-ff", "tokens_per_device": "--tokens"}
+
+
 def run(args: argparse.Namespace) -> int:
     """Build the plan, print the tables, write JSON / PNG if asked; returns 0. Bad
     arguments and infeasible plans raise ValueError (``aristax.cli.main`` prints it as
@@ -108,9 +115,13 @@ def run(args: argparse.Namespace) -> int:
                              + ("is a directory; name a file in it" if Path(out).is_dir() else
                                 "its directory does not exist; create it first"))
     topology = parse_topology(args.topology)
-    model = ModelSpec(num_experts=args.experts, top_k=args.top_k, d_model=args.d_model,
-                      d_ff=args.d_ff, tokens_per_device=args.tokens)
-    plan = make_plan(topology, model, equal_groups=args.equal_groups)
+    try:
+        model = ModelSpec(num_experts=args.experts, top_k=args.top_k, d_model=args.d_model,
+                          d_ff=args.d_ff, tokens_per_device=args.tokens)
+        plan = make_plan(topology, model, equal_groups=args.equal_groups)
+    except ValueError as err:  # they name ModelSpec's fields; the user typed the flags
+        raise ValueError(re.sub(r"\b(?:\w+\.)?(\w+)\b",
+                                lambda m: SPEC_FLAGS.get(m[1], m[0]), str(err))) from None
     console = Console()
     for r in plan_tables(plan, topology, simulate(plan, topology, model).iteration):
         console.print(r)
@@ -128,11 +139,11 @@ def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("plan", help="plan expert parallelism for a cluster topology",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("topology", metavar="TOPOLOGY", help="topology .yaml/.json or preset, e.g. perlmutter:4")
-    p.add_argument("--experts", type=int, default=64, help="number of experts E (default 64)")
-    p.add_argument("--top-k", type=int, default=2, help="experts per token K (default 2)")
-    p.add_argument("--d-model", type=int, default=1024, help="model dim D (default 1024)")
-    p.add_argument("--d-ff", type=int, default=4096, help="expert hidden dim F (default 4096)")
-    p.add_argument("--tokens", type=int, default=4096, help="tokens per device per micro-batch T (default 4096)")
+    p.add_argument("--experts", type=positive_int, default=64, help="number of experts E (default 64)")
+    p.add_argument("--top-k", type=positive_int, default=2, help="experts per token K (default 2)")
+    p.add_argument("--d-model", type=positive_int, default=1024, help="model dim D (default 1024)")
+    p.add_argument("--d-ff", type=positive_int, default=4096, help="expert hidden dim F (default 4096)")
+    p.add_argument("--tokens", type=positive_int, default=4096, help="tokens per device per micro-batch T (default 4096)")
     p.add_argument("--equal-groups", action="store_true",
                    help="only groups of one size, as a device mesh (mesh_from_plan) and "
                         "aristax train need")

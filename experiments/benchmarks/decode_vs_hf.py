@@ -43,24 +43,26 @@ import importlib.util
 import os
 import sys
 
+from aristax.argtypes import nonnegative_int, positive_int
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--prompt", type=int, default=10)
-    p.add_argument("--experts", type=int, default=6)
+    p.add_argument("--layers", type=positive_int, default=12)
+    p.add_argument("--new-tokens", type=positive_int, default=128)
+    p.add_argument("--prompt", type=positive_int, default=10)
+    p.add_argument("--experts", type=positive_int, default=6)
     p.add_argument("--sweep-experts", default="2,4,6,8", help="'' to skip the sweep")
-    p.add_argument("--sweep-layers", type=int, default=4,
+    p.add_argument("--sweep-layers", type=positive_int, default=4,
                    help="layers of the sweep models (all are held in memory at once)")
-    p.add_argument("--sweep-rounds", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=3,
+    p.add_argument("--sweep-rounds", type=positive_int, default=4)
+    p.add_argument("--rounds", type=positive_int, default=3,
                    help="rounds of (bandwidth, GEMV floor, aristax, HF) for the batch-1 decode")
-    p.add_argument("--windows", type=int, default=24,
+    p.add_argument("--windows", type=nonnegative_int, default=24,
                    help="paired windows of (bandwidth, short decode, bandwidth); 0 to skip")
-    p.add_argument("--window-tokens", type=int, default=16)
-    p.add_argument("--batch", type=int, default=8, help="batched decode (0 to skip)")
-    p.add_argument("--prefill", type=int, default=512, help="prefill length (0 to skip)")
+    p.add_argument("--window-tokens", type=positive_int, default=16)
+    p.add_argument("--batch", type=nonnegative_int, default=8, help="batched decode (0 to skip)")
+    p.add_argument("--prefill", type=nonnegative_int, default=512, help="prefill length (0 to skip)")
     p.add_argument("--no-hf", action="store_true", help="skip Hugging Face")
     p.add_argument("--quick", action="store_true",
                    help="2 layers, 16 new tokens, sweep 2,8, batch 8, prefill 128")

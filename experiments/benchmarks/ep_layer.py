@@ -25,23 +25,25 @@ import argparse
 import os
 import sys
 
+from aristax.argtypes import mesh_shape, positive_float, positive_int, positive_ints
+
 _args = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-_args.add_argument("--devices", type=int, default=8)
-_args.add_argument("--mesh", default="2x4", help="data x expert, e.g. 1x8, 2x4, 4x2")
-_args.add_argument("--nodes", type=int, default=2,
+_args.add_argument("--devices", type=positive_int, default=8)
+_args.add_argument("--mesh", type=mesh_shape, default="2x4", help="data x expert, e.g. 1x8, 2x4, 4x2")
+_args.add_argument("--nodes", type=positive_int, default=2,
                    help="'hierarchical': the expert axis W split as nodes x W/nodes")
-_args.add_argument("--chunks", default="1,2,3,4", help="num_chunks values to time")
+_args.add_argument("--chunks", type=positive_ints, default="1,2,3,4", help="num_chunks values to time")
 _args.add_argument("--exchanges", default="padded,scheduled,hierarchical,ragged",
                    help="exchanges, the all-to-all strategies ('ragged' is skipped on CPU)")
-_args.add_argument("--dense-capacity-factor", type=float, default=1.25,
+_args.add_argument("--dense-capacity-factor", type=positive_float, default=1.25,
                    help="capacity factor of the GShard dense-dispatch peer")
-_args.add_argument("--tokens", type=int, default=4096)
-_args.add_argument("--d-model", type=int, default=256)
-_args.add_argument("--d-ff", type=int, default=512)
-_args.add_argument("--experts", type=int, default=16)
-_args.add_argument("--top-k", type=int, default=2)
-_args.add_argument("--capacity-factor", type=float, default=None)
-_args.add_argument("--repeats", type=int, default=5)
+_args.add_argument("--tokens", type=positive_int, default=4096)
+_args.add_argument("--d-model", type=positive_int, default=256)
+_args.add_argument("--d-ff", type=positive_int, default=512)
+_args.add_argument("--experts", type=positive_int, default=16)
+_args.add_argument("--top-k", type=positive_int, default=2)
+_args.add_argument("--capacity-factor", type=positive_float, default=None)
+_args.add_argument("--repeats", type=positive_int, default=5)
 _args.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                  "results", "ep_layer.json"))
 ARGS = _args.parse_args()
@@ -141,6 +143,12 @@ def main() -> None:
     if unknown:
         _args.error(f"--exchanges: {sorted(unknown)} are not exchanges; choose from "
                     f"{','.join(EXCHANGES)}")
+    if len(ARGS.mesh) != 2 or ARGS.mesh[0] * ARGS.mesh[1] != ARGS.devices:
+        _args.error(f"--mesh {'x'.join(map(str, ARGS.mesh))}: give data x expert sizes whose "
+                    f"product is --devices {ARGS.devices}, e.g. 2x{ARGS.devices // 2}")
+    if "hierarchical" in ARGS.exchanges.split(",") and ARGS.mesh[1] % ARGS.nodes:
+        _args.error(f"--nodes {ARGS.nodes} must divide the expert axis ({ARGS.mesh[1]}) for "
+                    f"the hierarchical exchange")
     cfg = MoEConfig(num_experts=ARGS.experts, top_k=ARGS.top_k, d_model=ARGS.d_model,
                     d_ff=ARGS.d_ff, capacity_factor=ARGS.capacity_factor)
     dense_cfg = cfg.replace(capacity_factor=ARGS.dense_capacity_factor)
@@ -151,9 +159,9 @@ def main() -> None:
                        gate_edf=jax.random.normal(ks[2], (E, D, F)) * D ** -0.5,
                        down_efd=jax.random.normal(ks[3], (E, F, D)) * F ** -0.5)
     x = jax.random.normal(ks[4], (ARGS.tokens, D))
-    shape = tuple(int(v) for v in ARGS.mesh.split("x"))
+    shape = ARGS.mesh
     mesh = jax.make_mesh(shape, ("data", "expert"))
-    chunks = [int(c) for c in ARGS.chunks.split(",")]
+    chunks = ARGS.chunks
     exchanges = [e for e in ARGS.exchanges.split(",")
                  if e != "ragged" or jax.default_backend() != "cpu"]  # XLA:CPU has none
     note = (f"{len(jax.devices())} {jax.default_backend()} devices share "

@@ -102,6 +102,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from aristax import MoEConfig, MoEParams, moe  # noqa: E402
+from aristax.argtypes import positive_float, positive_int  # noqa: E402
 from aristax.pallas_kernels import BACKEND_NAMES  # noqa: E402
 from aristax.pallas_kernels.moe_mlp import api as moe_mlp_api  # noqa: E402
 from aristax.pallas_kernels.permute import api as permute_api  # noqa: E402
@@ -1035,11 +1036,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true",
                         help="tiny shapes on the CPU, kernels in interpret mode")
-    parser.add_argument("--budget-s", type=float, default=420.0,
+    parser.add_argument("--budget-s", type=positive_float, default=420.0,
                         help="steps after this many seconds are recorded as skipped")
-    parser.add_argument("--step-timeout-s", type=float, default=180.0,
+    parser.add_argument("--step-timeout-s", type=positive_float, default=180.0,
                         help="a step running longer is killed and recorded as failed")
-    parser.add_argument("--repeats", type=int, default=None,
+    parser.add_argument("--repeats", type=positive_int, default=None,
                         help="timing samples (default 10; 1 with --dry-run)")
     parser.add_argument("--only", default=None, metavar="REGEX",
                         help="run the steps whose id matches, e.g. "

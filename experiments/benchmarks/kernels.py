@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from aristax import MoEConfig, MoEParams, moe
+from aristax.argtypes import positive_int
 from aristax.pallas_kernels import frontdoor, ragged_dot, route
 from aristax.pallas_kernels.ragged_dot import api as ragged_dot_api
 from aristax.pallas_kernels.route import api as route_api
@@ -261,7 +262,7 @@ def main() -> None:
     parser.add_argument("--tokens", default="4096,16384" if on_gpu else "1024")
     parser.add_argument("--loads", default="uniform,zipf")
     parser.add_argument("--dtype", default="bfloat16" if on_gpu else "float32")
-    parser.add_argument("--repeats", type=int, default=10 if on_gpu else 3)
+    parser.add_argument("--repeats", type=positive_int, default=10 if on_gpu else 3)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     table = GPU_SHAPES if on_gpu else CPU_SHAPES

@@ -71,6 +71,7 @@ from jax import lax  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import moe_layer  # noqa: E402
 
+from aristax.argtypes import positive_int  # noqa: E402
 from aristax.pallas_kernels.moe_mlp import xla as moe_mlp_xla  # noqa: E402
 
 SKIP = ("$", "PjitFunction", "ThunkExecutor", "CommonPjRt", "ExecuteReplicated",
@@ -272,8 +273,8 @@ def row(label: str, make_step, runs: int) -> tuple[dict, object]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=moe_layer.SHAPES, help="T,D,F,E,K;...")
-    parser.add_argument("--runs", type=int, default=3, help="profiled calls per step")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
+    parser.add_argument("--runs", type=positive_int, default=3, help="profiled calls per step")
+    parser.add_argument("--rounds", type=positive_int, default=5, help="interleaved timing rounds")
     parser.add_argument("--unfused", action="store_true", help="profile the unfused layer too")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()

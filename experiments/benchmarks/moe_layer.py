@@ -53,6 +53,7 @@ import numpy as np
 from flax import nnx
 
 from aristax import MoE, MoEConfig
+from aristax.argtypes import positive_int
 from aristax.pallas_kernels.moe_mlp import api as moe_mlp_api
 
 SHAPES = "4096,512,1024,8,2;4096,512,256,32,4;4096,512,128,64,8"
@@ -294,7 +295,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=SHAPES, help="T,D,F,E,K;... ")
     parser.add_argument("--loads", default="uniform,zipf")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=positive_int, default=5)
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--block", default="mixtral", choices=BLOCKS,
                         help="the HF block computed (and its peers)")
@@ -310,8 +311,6 @@ def main() -> None:
     loads = args.loads.split(",")
     if not set(loads) <= {"uniform", "zipf"}:
         parser.error(f"--loads {args.loads!r}: choose from uniform,zipf")
-    if args.rounds < 1:
-        parser.error(f"--rounds {args.rounds}: at least 1")
     name = "moe_layer" if args.block == "mixtral" else f"moe_layer_{args.block}"
     out = Path(args.out or Path(__file__).resolve().parent / "results"
                / f"{name}_{jax.default_backend()}.json")

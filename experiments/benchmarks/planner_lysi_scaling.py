@@ -14,13 +14,14 @@ import platform
 import time
 from pathlib import Path
 
+from aristax.argtypes import positive_int
 from aristax.planner.lysi import POLICIES, Workload, lysi_group, partition_cost
 from aristax.planner.topology import perlmutter
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=positive_int, default=3)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "planner_lysi_scaling.json"))
     args = ap.parse_args()
     rows = []

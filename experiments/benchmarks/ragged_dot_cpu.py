@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from aristax.argtypes import positive_int
 from aristax.pallas_kernels.ragged_dot import api, xla
 
 # (name, M rows = T*K, K = D, N = F, G = E): the MoE layer's gate/up GEMM at T = 4096
@@ -149,7 +150,7 @@ def bench(name, m, k, n, g, load, rounds) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=positive_int, default=5)
     parser.add_argument("--loads", default="uniform,zipf")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
