@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 
 from aristax.train.checkpoint import CheckpointSaveError, Checkpointer
-from aristax.train.launch import without_device_count
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["model.d_model=32", "model.d_ff=64", "model.seq_len=32", "data.batch_size=8",
@@ -37,7 +36,9 @@ JAX_CACHE = Path(tempfile.gettempdir()) / f"aristax-fault-tests-jax-cache-{os.ge
 
 
 def _env() -> dict[str, str]:
-    env = without_device_count(os.environ)  # conftest's 8 devices out, its other flags in
+    """conftest's XLA_FLAGS, its 8 host devices included: each run's parallel.devices
+    must win over them (``aristax launch`` takes the count out for its processes)."""
+    env = dict(os.environ)
     env.update(JAX_COMPILATION_CACHE_DIR=str(JAX_CACHE),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     return env
@@ -307,7 +308,9 @@ def test_changed_data_is_refused_unless_accepted(tmp_path):
     np.save(tokens, rng.integers(0, 200, 40_000).astype(np.int32))
     out = tmp_path / "run"
     common = ["eval_every=100", "checkpoint.every=1"]
-    assert run(out, "steps=2", *common, f"data.source={tokens}")[0] == 0
+    code, printed, err = run(out, "steps=2", *common, f"data.source={tokens}")
+    # parallel.devices=1, not the 8 devices XLA_FLAGS asks for (a user found it was 8)
+    assert code == 0 and "; 1 devices in 1 process(es), one device;" in printed, err[-3000:]
     moved = tmp_path / "moved.npy"
     moved.write_bytes(tokens.read_bytes())
     code, _, err = run(out, "steps=3", *common, f"data.source={moved}",

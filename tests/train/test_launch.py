@@ -127,18 +127,6 @@ def test_processes_keep_the_users_xla_flags_but_not_the_device_count(monkeypatch
     assert env["ARISTAX_PROCESS_ID"] == "1" and env["ARISTAX_NUM_PROCESSES"] == "2"
 
 
-def test_parallel_devices_wins_over_a_device_count_in_xla_flags(tmp_path):
-    """XLA_FLAGS asks for 8 CPU devices, the config for 4: the run uses 4, as
-    ``aristax launch`` does (it was silently 8)."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    cmd = [sys.executable, "-m", "aristax.cli", "train", "experiments/configs/tiny.yaml",
-           *SMALL, "steps=1", "eval_every=1", "parallel.devices=4",
-           f"out_dir={tmp_path / 'run'}"]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    assert "4 devices in 1 process(es), mesh {'data': 1, 'expert': 4}" in done.stdout
-
-
 def test_parallel_devices_that_a_started_backend_cannot_have_is_refused(monkeypatch):
     """In a process whose CPU backend already runs 8 devices (conftest), another count
     cannot take effect: refused, naming the values that work."""
