@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import flax.linen as nn
 import numpy as np
 from flax import nnx
+from flax.core import FrozenDict
 from flax.core import spmd as flax_spmd
 from flax.nnx import bridge
 from jax.experimental import multihost_utils
@@ -617,14 +618,45 @@ def moe_linen(config: MoEConfig, *, axes: MoEAxes = MoEAxes(), name: str | None 
     rngs={"dropout": key})``; without either a jittered call raises), and is off with
     ``deterministic=True``.
 
+    Two more collections hold the layer's state that is not trained by the optimizer:
+    "BalanceBias" (float32[E], the selection bias, only where ``config`` has one:
+    ``selection_bias`` or ``bias_update_rate`` > 0) and "ExpertLayout" (int32[E], the
+    expert held in each slot; ``arange(E)`` in Linen, which has no plans). Give
+    ``apply`` every collection ``init`` returned (``model.apply(variables, x)``): an
+    ``apply`` without "BalanceBias" where the config has one raises rather than route
+    with a zero bias. With ``bias_update_rate`` > 0, update it between steps from the
+    layer's ``aux["expert_load"]`` ([E], or [L, E] from ``nn.scan``): ``variables =
+    {**variables, "BalanceBias": jax.tree.map(lambda b: aristax.routing.
+    update_balance_bias(b, expert_load, rate), variables["BalanceBias"])}``, as
+    ``MoE.update_balance_bias`` does in NNX.
+
     Parameters are ``nn.LogicallyPartitioned`` with ``axes``' names (``MoE``), so the
     Linen recipes work on them: ``nn.get_partition_spec`` (the names as mesh axes) or
     ``nn.logical_to_mesh_sharding`` under logical axis rules, and ``nn.scan`` over
-    layers (``metadata_params={nn.PARTITION_NAME: ...}``) puts the layer axis in front
+    layers (``metadata_params={nn.PARTITION_NAME: ...}``; ``variable_axes`` naming
+    "BalanceBias" and "ExpertLayout" as well as "params") puts the layer axis in front
     of the expert axis.
     """
-    return bridge.to_linen(_bridged_moe, config, axes=axes, name=name,
-                           metadata_fn=_linen_box)
+    return _MoELinen(_bridged_moe, args=(config,), kwargs=FrozenDict(axes=axes),
+                     metadata_fn=_linen_box, name=name)
+
+
+class _MoELinen(bridge.ToLinen):
+    """``bridge.ToLinen`` of a ``MoE`` that refuses an ``apply`` missing the selection
+    bias's collection (the bridge would build the layer with a zero bias and route
+    with it, silently)."""
+
+    def __call__(self, *args, **kwargs):
+        config = self.args[0]
+        if (not self.is_initializing() and config.holds_selection_bias
+                and not self.has_variable("BalanceBias", "router")):
+            raise ValueError(
+                f"moe_linen {self.name!r}: the variables given to apply have no "
+                "'BalanceBias' collection, which holds this layer's selection bias "
+                "(MoEConfig.selection_bias / bias_update_rate); pass every collection "
+                "init returned (model.apply(variables, x)), and under nn.scan name it in "
+                "variable_axes as well as 'params'")
+        return super().__call__(*args, **kwargs)
 
 
 def _bridged_moe(config: MoEConfig, *, rngs: nnx.Rngs, **kwargs) -> MoE:

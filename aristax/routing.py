@@ -343,7 +343,9 @@ def update_balance_bias(bias: jax.Array, expert_load: jax.Array, rate: float) ->
     attractive, underloaded ones more.
 
     Args:
-      bias: float32[E]. expert_load: [E] assignments per expert in the last step.
+      bias: float32[..., E]. expert_load: [..., E] assignments per expert in the last
+        step; leading axes (e.g. the layers of a scanned stack, [L, E]) are updated
+        each against its own mean.
     """
     load = expert_load.astype(jnp.float32)
-    return bias + rate * jnp.sign(jnp.mean(load) - load)
+    return bias + rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)

@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import moe_reference as ref
-from aristax import MoE, MoEConfig, moe_linen
+from aristax import MoE, MoEConfig, moe_linen, routing
 from aristax.sharding import param_partition_specs
 
 CFG = MoEConfig(num_experts=4, top_k=2, d_model=8, d_ff=16, normalize_weights=True,
@@ -229,3 +229,55 @@ def test_seq_len_for_flattened_tokens_in_the_nnx_and_linen_layers():
     variables = bridged.init(jax.random.key(0), x)
     np.testing.assert_allclose(bridged.apply(variables, flat, seq_len=5)[1]["seq_aux_loss"],
                                bridged.apply(variables, x)[1]["seq_aux_loss"], rtol=1e-6)
+
+
+class ScannedLinenStack(linen.Module):
+    """Two bridged MoE layers under nn.scan, their collections stacked on axis 0."""
+
+    cfg: MoEConfig
+
+    @linen.compact
+    def __call__(self, x):
+        def body(layer, h, _):
+            y, aux = layer(h)
+            return h + y, aux["expert_load"]
+
+        stack = linen.scan(body, variable_axes={"params": 0, "BalanceBias": 0,
+                                                "ExpertLayout": 0},
+                           split_rngs={"params": True}, length=2,
+                           metadata_params={linen.PARTITION_NAME: "layers"})
+        return stack(moe_linen(self.cfg, name="moe"), x, None)
+
+
+def test_linen_selection_bias_is_applied_refused_when_missing_and_updated_per_layer():
+    """A user trial: apply({"params": ...}) silently routed with a zero selection bias
+    (the bridge builds the layer afresh and "BalanceBias" was not given). Now that
+    raises; the bias given is the one routed with, against NumPy's top-1 of logits +
+    bias; and routing.update_balance_bias updates a scanned stack's [L, E] bias layer
+    by layer (each against its own mean load)."""
+    cfg = MoEConfig(num_experts=4, top_k=1, d_model=8, d_ff=8, bias_update_rate=0.5)
+    x = jax.random.normal(jax.random.key(3), (12, 8))
+    layer = moe_linen(cfg, name="moe")
+    variables = layer.init(jax.random.key(4), x)
+    with pytest.raises(ValueError, match="no 'BalanceBias' collection.*model.apply"):
+        layer.apply({"params": variables["params"]}, x)
+    bias = np.array([0.0, 0.0, 0.0, 5.0], np.float32)
+    given = {**variables, "BalanceBias": {"router": {"balance_bias_e": jnp.asarray(bias)}}}
+    _, aux = layer.apply(given, x)
+    router = np.asarray(linen.unbox(variables["params"])["router"]["weight_de"])
+    picks = np.argmax(np.asarray(x) @ router + bias, axis=-1)
+    np.testing.assert_array_equal(aux["expert_load"], np.bincount(picks, minlength=4))
+
+    stack = ScannedLinenStack(cfg)
+    stacked = stack.init(jax.random.key(5), x)
+    assert stacked["BalanceBias"]["moe"]["router"]["balance_bias_e"].shape == (2, 4)
+    _, loads = stack.apply(stacked, x)  # [L, E]
+    new = jax.tree.map(lambda b: routing.update_balance_bias(b, loads, 0.5),
+                       stacked["BalanceBias"])["moe"]["router"]["balance_bias_e"]
+    load = np.asarray(loads, np.float32)
+    want = 0.5 * np.sign(load.mean(axis=1, keepdims=True) - load)
+    np.testing.assert_array_equal(np.asarray(new), want)
+    # rows of other totals: each against its own mean (one mean over both gave +1s)
+    two = routing.update_balance_bias(jnp.zeros((2, 4)), jnp.array([[8, 0, 0, 0],
+                                                                    [1, 1, 1, 1]]), 1.0)
+    np.testing.assert_array_equal(two, [[-1, 1, 1, 1], [0, 0, 0, 0]])

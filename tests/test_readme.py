@@ -22,10 +22,16 @@ def test_readme_examples_train(capsys, block):
     """The layer example, and the expert-parallel recipe inside a small language model
     (embedding lookup, integer-label cross-entropy) on this machine's 8 devices."""
     code = re.findall(r"```python\n(.*?)```", README, re.S)[block]
+    names = {}
     with jax.numpy_dtype_promotion("standard"):  # optax's Adam mixes int and float
-        exec(compile(code, "README.md", "exec"), {})
+        exec(compile(code, "README.md", "exec"), names)
     losses = [float(line.split()[1]) for line in capsys.readouterr().out.splitlines()]
     assert len(losses) == 5 and losses[-1] < losses[0]
+    if block == 2:  # really expert parallel (a user trial: it was a (8, 1) mesh, all
+        # 8 experts on every device, plain data parallelism)
+        assert dict(names["mesh"].shape) == {"data": 2, "expert": 4}
+        up = names["model"].moe.experts.up_edf[...]
+        assert up.sharding.shard_shape(up.shape)[0] == 2
 
 
 def test_readme_sharding_example_splits_experts_over_fsdp_and_f_over_tensor(capsys):
