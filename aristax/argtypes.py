@@ -11,27 +11,24 @@ from __future__ import annotations
 import argparse
 
 
-def _int(text: str, what: str) -> int:
+def _int_at_least(text: str, low: int) -> int:
     try:
-        return int(text)
+        value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"{text!r}: give an integer >= {low}")
+    return value
 
 
 def positive_int(text: str) -> int:
     """An integer >= 1."""
-    value = _int(text, "an integer")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give an integer >= 1")
-    return value
+    return _int_at_least(text, 1)
 
 
 def nonnegative_int(text: str) -> int:
     """An integer >= 0."""
-    value = _int(text, "an integer")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: give an integer >= 0")
-    return value
+    return _int_at_least(text, 0)
 
 
 def positive_float(text: str) -> float:
@@ -45,19 +42,18 @@ def positive_float(text: str) -> float:
     return value
 
 
+def _positive_parts(text: str, sep: str, hint: str) -> list[int]:
+    parts = text.lower().split(sep)
+    if not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: give {hint}")
+    return [int(p) for p in parts]
+
+
 def positive_ints(text: str) -> list[int]:
     """Comma-separated integers >= 1, e.g. ``1,2,4``."""
-    parts = text.split(",")
-    if not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: give integers >= 1 separated by commas, e.g. 1,2,4")
-    return [int(p) for p in parts]
+    return _positive_parts(text, ",", "integers >= 1 separated by commas, e.g. 1,2,4")
 
 
 def mesh_shape(text: str) -> tuple[int, ...]:
     """Axis sizes joined by ``x``, e.g. ``2x4``: a tuple of integers >= 1."""
-    parts = text.lower().split("x")
-    if not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: give axis sizes >= 1 joined by x, e.g. 2x4")
-    return tuple(int(p) for p in parts)
+    return tuple(_positive_parts(text, "x", "axis sizes >= 1 joined by x, e.g. 2x4"))
