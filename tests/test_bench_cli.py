@@ -52,6 +52,7 @@ def test_bench_passes_the_remaining_arguments_to_the_script(capfd):
     (["planner_lysi_scaling", "--repeats", "0"], "argument --repeats: '0': give an integer"),
     (["ragged_dot_cpu", "--rounds", "-1"], "argument --rounds: '-1': give an integer >= 1"),
     (["decode_vs_hf", "--batch", "-2"], "argument --batch: '-2': give an integer >= 0"),
+    (["decode_vs_hf", "--sweep-experts", "2,x"], "argument --sweep-experts: '2,x'"),
     (["kernels", "--repeats", "x"], "argument --repeats: 'x' is not an integer"),
     (["gpu_check", "--budget-s", "nan"], "argument --budget-s: 'nan': give a finite number > 0"),
 ])

@@ -43,7 +43,7 @@ import importlib.util
 import os
 import sys
 
-from aristax.argtypes import nonnegative_int, positive_int
+from aristax.argtypes import nonnegative_int, positive_int, positive_ints
 
 
 def parse_args(argv=None):
@@ -52,7 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=positive_int, default=128)
     p.add_argument("--prompt", type=positive_int, default=10)
     p.add_argument("--experts", type=positive_int, default=6)
-    p.add_argument("--sweep-experts", default="2,4,6,8", help="'' to skip the sweep")
+    p.add_argument("--sweep-experts", default="2,4,6,8", help="'' to skip the sweep",
+                   type=lambda text: positive_ints(text) if text else [])
     p.add_argument("--sweep-layers", type=positive_int, default=4,
                    help="layers of the sweep models (all are held in memory at once)")
     p.add_argument("--sweep-rounds", type=positive_int, default=4)
@@ -73,7 +74,7 @@ def parse_args(argv=None):
         cuda = any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13))
         args.xla_flags = "" if cuda else "--xla_cpu_use_xnnpack=true"
     if args.quick:
-        args.layers, args.new_tokens, args.sweep_experts, args.rounds = 2, 16, "2,8", 1
+        args.layers, args.new_tokens, args.sweep_experts, args.rounds = 2, 16, [2, 8], 1
         args.windows = min(args.windows, 4)
         args.sweep_layers, args.sweep_rounds = 2, 2
         args.prefill = min(args.prefill, 128)
@@ -570,7 +571,7 @@ def main(args):
         result["prefill"] = prefill_ms(model, pprompt, weights, hf)
         log(f"  {result['prefill']}")
     del hf, model, weights
-    sweep = [int(e) for e in args.sweep_experts.split(",") if e]
+    sweep = args.sweep_experts
     if sweep:
         result["experts_sweep"] = experts_sweep(sweep, prompt, args.sweep_layers,
                                                 args.new_tokens, args.sweep_rounds)
