@@ -84,7 +84,7 @@ def baseline_groups(topology: Topology, num_experts: int, kind: str) -> list[lis
     if kind == "world":
         return [list(range(v))]
     if kind == "single_node":
-        node = topology.node if topology.node is not None else np.zeros(v, dtype=np.int64)
+        node = topology.host_ids
         units = [np.flatnonzero(node == n).tolist() for n in sorted(set(node.tolist()))]
     elif kind == "minimal":
         units = [[d] for d in range(v)]
@@ -107,7 +107,7 @@ def equal_size_groups(topology: Topology, num_experts: int) -> dict[int, list[li
     ``num_experts`` (their ``expert_capacity``), consecutive runs of s devices in host
     order (``topology.node``, then id)."""
     v = topology.num_devices
-    node = topology.node if topology.node is not None else np.zeros(v, dtype=np.int64)
+    node = topology.host_ids
     order = sorted(range(v), key=lambda d: (int(node[d]), d))
     out = {}
     for size in (s for s in range(1, v + 1) if v % s == 0):
@@ -283,7 +283,7 @@ def _group_slots(topology: Topology, model: ModelSpec, groups, *, assign: str, s
 def _device_keys(group: list[int], topology: Topology) -> list[tuple]:
     """What placement and the mesh see of each device of ``group``: (FLOP/s, expert
     capacity, index of its host among the group's hosts)."""
-    node = topology.node if topology.node is not None else np.zeros(topology.num_devices, int)
+    node = topology.host_ids
     hosts = sorted({int(node[d]) for d in group})
     return [(float(topology.flops[d]), int(topology.expert_capacity[d]),
              hosts.index(int(node[d]))) for d in group]

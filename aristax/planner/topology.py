@@ -150,6 +150,11 @@ class Topology:
     def num_devices(self) -> int:
         return int(self.alpha.shape[0])
 
+    @property
+    def host_ids(self) -> np.ndarray:
+        """int64[V]: ``node``, or every device on host 0 where it is not given."""
+        return self.node if self.node is not None else np.zeros(self.num_devices, np.int64)
+
     def p2p_time(self, nbytes: float) -> np.ndarray:
         """[V, V] time to send ``nbytes`` between each pair: alpha + nbytes * beta (zero diagonal)."""
         t = self.alpha + float(nbytes) * self.beta
