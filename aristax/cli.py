@@ -156,11 +156,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def silence_background_errors() -> Callable[[], None]:
     """Until the returned function is called: no log records below CRITICAL from absl
-    (orbax) and asyncio, and no tracebacks from background threads or unraisable
-    exceptions. After a failed checkpoint save, orbax's and tensorstore's threads
-    report the same failure dozens of times, burying the one line ``main`` prints
-    (``--debug`` shows them)."""
-    loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]
+    (orbax), asyncio and tensorboardX, and no tracebacks from background threads or
+    unraisable exceptions. After a failed checkpoint save, orbax's and tensorstore's
+    threads report the same failure dozens of times, and a diverged run's NaN metrics
+    make tensorboardX warn, burying the one line ``main`` prints (``--debug`` shows
+    them)."""
+    loggers = [logging.getLogger(name) for name in ("absl", "asyncio", "tensorboardX")]
     levels = [logger.level for logger in loggers]
     hooks = sys.unraisablehook, threading.excepthook
     for logger in loggers:

@@ -197,15 +197,21 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     return cfg
 
 
+MAX_SEED = 2**63 - 1  # the largest seed JAX's keys (int64) and grain's shuffle both take
+
+
 def validate(cfg: TrainConfig) -> None:
     """Range checks (types are checked by OmegaConf); the model config validates itself."""
     positive = {"steps": cfg.steps, "log_every": cfg.log_every, "eval_every": cfg.eval_every,
                 "eval_batches": cfg.eval_batches, "data.batch_size": cfg.data.batch_size,
                 "checkpoint.every": cfg.checkpoint.every, "checkpoint.keep": cfg.checkpoint.keep,
-                "model.seq_len": cfg.model.seq_len}
+                "model.seq_len": cfg.model.seq_len, "data.max_bytes": cfg.data.max_bytes}
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{key}={value} must be >= 1")
+    for key, value in {"seed": cfg.seed, "data.seed": cfg.data.seed}.items():
+        if not 0 <= value <= MAX_SEED:
+            raise ConfigError(f"{key}={value} must be an integer in [0, 2**63 - 1]")
     o = cfg.optim
     optim_ranges = {"lr": (o.lr, 0 < o.lr, "> 0"),
                     "b1": (o.b1, 0 <= o.b1 < 1, "in [0, 1)"),

@@ -75,6 +75,10 @@ def check_token_array(source: str, array: np.ndarray, vocab_size: int = 0) -> in
     if not np.issubdtype(array.dtype, np.integer):
         raise ValueError(f"{name} holds {array.dtype} values, not integer token ids: save the "
                          "ids with an integer dtype, e.g. np.save(path, ids.astype(np.int32))")
+    if array.ndim != 1:
+        raise ValueError(f"{name} holds an array of shape {array.shape}, not a 1-D array of "
+                         "token ids: save the ids as one stream, e.g. np.save(path, "
+                         "ids.reshape(-1)) (documents joined end to end)")
     if array.size == 0:
         raise ValueError(f"{name} holds no token ids: save a non-empty 1-D array of token ids")
     low, high = int(array.min()), int(array.max())  # in the file's dtype: nothing wraps
@@ -103,14 +107,17 @@ def read_tokens(cfg: DataConfig, vocab_size: int = 0) -> tuple[np.ndarray, int]:
                              f"data.source={source!r} holds token ids: unset data.tokenizer")
         array = load_npy(source)
         vocab = check_token_array(source, array, vocab_size)
-        return array.astype(np.int32).reshape(-1), vocab
+        return array.astype(np.int32), vocab
     if source == "stdlib":
         files = stdlib_files()
     else:
         root = pathlib.Path(source)
         if not root.is_dir():
-            raise FileNotFoundError(f"data.source={source!r} is not 'stdlib', a directory or "
-                                    "a .npy file")
+            what = ("is a file, not 'stdlib', a directory or a .npy file: put text files in a "
+                    "directory of their own and give the directory"
+                    if root.is_file() else "does not exist: give 'stdlib', a directory of "
+                    "text files or a .npy file of token ids")
+            raise FileNotFoundError(f"data.source={source!r} {what}")
         files = sorted(p for p in root.rglob("*") if p.is_file())
         if not files:
             raise FileNotFoundError(f"data.source={source!r} holds no files")

@@ -2,7 +2,9 @@
 
 Each process gets the ARISTAX_* variables ``aristax.parallel.initialize_distributed``
 reads (coordinator on a free localhost port, process count and id), CPU devices
-(``parallel.devices`` / N each) and gloo collectives: one machine behaves like N hosts.
+(``parallel.devices`` / N each; with ``parallel.devices=0`` each keeps the count
+XLA_FLAGS gives, so N of them hold N times as many) and gloo collectives: one machine
+behaves like N hosts.
 Process 0's output is shown; the others' goes to ``<out_dir>/process_<i>.log``.
 
 If a process exits with an error (or is killed), the launcher stops the others
@@ -56,10 +58,13 @@ def without_device_count(env: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def process_env(process_id: int, num_processes: int, port: int) -> dict[str, str]:
-    """Process ``process_id``'s environment: the launcher's (``without_device_count``)
-    with the ARISTAX_* variables, CPU platform and the run lock's holder."""
-    env = without_device_count(os.environ)
+def process_env(process_id: int, num_processes: int, port: int, devices: int
+                ) -> dict[str, str]:
+    """Process ``process_id``'s environment: the launcher's with the ARISTAX_* variables,
+    CPU platform and the run lock's holder; without XLA_FLAGS' device count
+    (``without_device_count``) unless ``devices`` (``parallel.devices``) is 0, which
+    leaves each process the count it gives."""
+    env = without_device_count(os.environ) if devices else dict(os.environ)
     env.update(ARISTAX_COORDINATOR=f"127.0.0.1:{port}",
                ARISTAX_NUM_PROCESSES=str(num_processes), ARISTAX_PROCESS_ID=str(process_id),
                JAX_PLATFORMS="cpu", **{LOCK_HOLDER_ENV: str(os.getpid())})
@@ -105,13 +110,13 @@ def launch(config: str, overrides: Sequence[str], num_processes: int, *, out_dir
     with run_lock(out_dir):
         signals = StopSignals()
         try:
-            return _run_processes(config, overrides, num_processes, out_dir, grace, poll,
-                                  log, signals)
+            return _run_processes(config, overrides, num_processes, out_dir, devices, grace,
+                                  poll, log, signals)
         finally:
             signals.restore()
 
 
-def _run_processes(config, overrides, num_processes, out_dir, grace, poll, log,
+def _run_processes(config, overrides, num_processes, out_dir, devices, grace, poll, log,
                    signals: StopSignals) -> int:
     """``launch``'s body: start the processes and watch them."""
     port = free_port()
@@ -122,7 +127,7 @@ def _run_processes(config, overrides, num_processes, out_dir, grace, poll, log,
         if i > 0:
             logs.append((out_dir / f"process_{i}.log").open("w"))
             out = logs[-1]
-        procs.append(subprocess.Popen(command, env=process_env(i, num_processes, port),
+        procs.append(subprocess.Popen(command, env=process_env(i, num_processes, port, devices),
                                       stdout=out, stderr=subprocess.STDOUT if out else None,
                                       start_new_session=True, preexec_fn=_die_with_parent))
         log(f"launch: process {i} pid {procs[-1].pid}")

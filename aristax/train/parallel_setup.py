@@ -104,11 +104,15 @@ def plan_and_mesh(cfg: TrainConfig, devices):
     try:
         plan = make_plan(topology, spec, groups=groups, equal_groups=True)
     except ValueError as err:
+        fix = ("set parallel.expert_parallel=false to run without one"
+               if jax.process_count() == 1 else
+               f"{jax.process_count()} processes train only through one: change the settings "
+               "above or the number of devices")
         raise ValueError(
             f"no expert-parallel plan for model.num_experts={m.num_experts} on "
             f"{len(devices)} devices with parallel.topology={p.topology!r}, "
             f"parallel.expert_capacity={p.expert_capacity}, parallel.group_size={W} "
-            f"(set parallel.expert_parallel=false to run without one): {err}") from None
+            f"({fix}): {err}") from None
     mesh = mesh_from_plan(plan, devices, topology=topology)
     if p.exchange == "hierarchical" and "node" not in mesh.axis_names:
         raise ValueError(f"parallel.exchange='hierarchical' exchanges within then between "

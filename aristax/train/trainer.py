@@ -75,11 +75,12 @@ def lm_loss(model: Mixtral, tokens: jax.Array):
 
 def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
     """The learning rate of update n (0-based: step n + 1): linear warm-up from 0 over
-    ``optim.warmup_steps``, then cosine decay to ``lr * min_lr_ratio`` at ``steps``."""
+    ``optim.warmup_steps``, then cosine decay to ``lr * min_lr_ratio`` at ``steps``. A
+    run of ``steps`` <= ``warmup_steps`` stays in the warm-up (update n at
+    ``lr * n / warmup_steps``), so resuming it with more steps continues the same ramp."""
     o = cfg.optim
     return optax.warmup_cosine_decay_schedule(
-        0.0, o.lr, min(o.warmup_steps, cfg.steps), max(cfg.steps, o.warmup_steps + 1),
-        o.lr * o.min_lr_ratio)
+        0.0, o.lr, o.warmup_steps, max(cfg.steps, o.warmup_steps + 1), o.lr * o.min_lr_ratio)
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -90,15 +91,18 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
 
 
 def flops_per_token(cfg: TrainConfig, vocab_size: int | None = None) -> float:
-    """6 x active parameters per token + 12 L D S (attention scores), training;
+    """Training FLOPs per token: 6 x the weights one token's forward multiplies by
+    (attention projections; per MoE block the router, its top_k experts and the shared
+    experts with their gate; the LM head) + 12 L D S (attention scores).
     ``vocab_size``: the model's (default ``model.vocab_size``)."""
-    m = cfg.model
+    m, moe = cfg.model, moe_config(cfg.model)
     head_dim = m.d_model // m.num_heads
     attn = m.d_model * head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
-    gated = 3 if m.activation in ("swiglu", "geglu") else 2
-    ffn = gated * m.d_model * m.d_ff * (m.top_k + m.num_shared_experts)
+    mats = 3 if moe.gated else 2  # gate (when the activation has one), up, down
+    ffn = (mats * m.d_model * (m.top_k * m.d_ff + moe.shared_width)
+           + m.d_model * (m.num_experts + moe.shared_expert_gate))
     vocab = vocab_size or m.vocab_size or 256
-    active = m.num_layers * (attn + ffn + m.d_model * m.num_experts) + m.d_model * vocab
+    active = m.num_layers * (attn + ffn) + m.d_model * vocab
     return 6.0 * active + 12.0 * m.num_layers * m.d_model * m.seq_len
 
 
@@ -358,7 +362,9 @@ def _set_up(cfg: TrainConfig) -> _Run:
 def make_steps(bias_update: bool):
     """(train_step(model, optimizer, tokens) -> metrics, eval_step(model, tokens) ->
     loss), ``nnx.jit``-compiled; the train step also moves the MoE blocks' balance
-    biases when ``bias_update`` (aux-loss-free balancing)."""
+    biases when ``bias_update`` (aux-loss-free balancing). The eval step runs the model
+    deterministic (``nnx.view``): no router or input jitter, no draws from its streams,
+    so evaluating changes neither the held-out loss nor the training that follows."""
 
     @nnx.jit
     def train_step(model, optimizer, tokens):
@@ -369,7 +375,9 @@ def make_steps(bias_update: bool):
                 layer.moe.update_balance_bias(load)
         return metrics
 
-    eval_step = nnx.jit(lambda model, tokens: lm_loss(model, tokens)[1]["loss"])
+    @nnx.jit
+    def eval_step(model, tokens):  # no jitter: it neither shifts the loss nor draws keys
+        return lm_loss(nnx.view(model, deterministic=True), tokens)[1]["loss"]
     return train_step, eval_step
 
 
@@ -412,6 +420,11 @@ def _announce(run: _Run, log) -> None:
                else "one device")
         log(f"note: {', '.join(unused)} shape expert parallelism, which this run does not "
             f"use ({why}): they have no effect")
+    windows, wanted = (len(run.held_out) - 1) // m.seq_len, cfg.eval_batches * cfg.data.batch_size
+    if wanted > windows:
+        log(f"note: eval_batches={cfg.eval_batches} x data.batch_size={cfg.data.batch_size} = "
+            f"{wanted} held-out windows, and the held-out split has {windows}: some count more "
+            "than once (lower eval_batches or raise data.held_out_fraction)")
     if run.deleted:
         log(f"resumed from step {run.start_step}: deleted the later checkpoints {run.deleted}, "
             "which this run writes anew")
@@ -495,22 +508,24 @@ def _train_loop(run: _Run, writer: MetricsWriter, row_of, log, preemption: Preem
         return losses, evals, step_s, None
 
 
-def _summary(run: _Run, losses, evals, step_s, rows) -> dict[str, Any]:
-    """summary.json's content (without the plots) from the run's losses, (step,
-    held-out loss) pairs, step seconds and metrics rows."""
+def _summary(run: _Run, evals, step_s, rows) -> dict[str, Any]:
+    """summary.json's content (without the plots) from the run's (step, held-out loss)
+    pairs, step seconds and metrics rows. The losses and drop fractions cover every
+    step in ``rows`` (on the main process, a resumed run's earlier steps too, as
+    metrics.jsonl keeps them); the timings, ``first_step`` on, this process's steps."""
     steady = step_s[1:]  # the first step compiles
-    drops = [r["dropped_fraction"] for r in rows if "dropped_fraction" in r]
-    unchosen = [r.get("unchosen_fraction", 0.0) for r in rows if "dropped_fraction" in r]
+    train = [r for r in rows if "loss" in r]
     out_dir = run.out_dir
     return {"name": run.cfg.name, "steps": run.cfg.steps, "first_step": run.start_step + 1,
-            "final_loss": float(np.mean(losses[-10:])),
-            "first_loss": losses[0],
+            "final_loss": float(np.mean([r["loss"] for r in train[-10:]])),
+            "first_loss": train[0]["loss"],
             "eval_loss": evals[-1][1],
             "tokens_per_s": (len(steady) * run.tokens_per_step / sum(steady)) if steady
             else None,  # one step: only the compiling one
             "first_step_s": step_s[0],
-            "dropped_fraction": float(np.mean(drops[-len(losses):])),
-            "unchosen_fraction": float(np.mean(unchosen[-len(losses):])),
+            "dropped_fraction": float(np.mean([r["dropped_fraction"] for r in train])),
+            "unchosen_fraction": float(np.mean([r.get("unchosen_fraction", 0.0)
+                                                for r in train])),
             "devices": len(run.devices), "processes": run.nproc,
             "mesh": None if run.mesh is None else dict(run.mesh.shape),
             "out_dir": str(out_dir), "checkpoints": str(out_dir / "checkpoints"),
@@ -579,7 +594,7 @@ def _run(cfg: TrainConfig, log, preemption: Preemption) -> RunResult:
                 f"{run.out_dir / 'checkpoints' / str(stopped)}; continue with "
                 "checkpoint.resume=true")
         return RunResult(losses, evals, run.out_dir, {"stopped_at": stopped})
-    summary = _summary(run, losses, evals, step_s, writer.rows)
+    summary = _summary(run, evals, step_s, writer.rows)
     if run.nproc > 1:  # every process's view of the global loss: they must agree
         log(f"process {run.proc} losses {json.dumps(losses)}")
     if run.main:

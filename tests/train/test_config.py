@@ -64,6 +64,9 @@ def test_implementation_is_a_name_or_an_ordered_list(tmp_path):
     ("", ["optim.weight_decay=-1"], "optim.weight_decay"),
     ("", ["optim.warmup_steps=-1"], "optim.warmup_steps"),
     ("", ["optim.min_lr_ratio=2"], "optim.min_lr_ratio"),
+    ("", ["data.max_bytes=-5"], r"^data\.max_bytes=-5 must be >= 1"),  # was text[:-5]
+    ("", ["data.seed=-1"], r"^data\.seed=-1 must be an integer in \[0, 2\*\*63 - 1\]"),
+    ("", ["seed=100000000000000000000"], r"^seed=100000000000000000000 must be"),
     # errors of the model's configs name the keys that set their fields
     ("", ["model.dtype=float64"], r"^model\.dtype='float64'.*64-bit"),
     ("", ["model.dtype=int8"], r"^model\.dtype='int8'.*floating"),

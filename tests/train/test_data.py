@@ -61,8 +61,11 @@ def test_sources_directory_npy_and_tokenizer(tmp_path):
 
 
 def test_bad_sources_and_short_splits_name_the_problem(tmp_path):
-    with pytest.raises(FileNotFoundError, match="data.source"):
+    with pytest.raises(FileNotFoundError, match="data.source=.*missing' does not exist"):
         data_lib.read_tokens(DataConfig(source=str(tmp_path / "missing")))
+    (tmp_path / "book.txt").write_text("a plain text file")
+    with pytest.raises(FileNotFoundError, match="book.txt' is a file.*directory of their own"):
+        data_lib.read_tokens(DataConfig(source=str(tmp_path / "book.txt")))
     with pytest.raises(ValueError, match="held-out split"):
         data_lib.split(np.arange(100, dtype=np.int32), 0.05, 32)
 
@@ -71,6 +74,10 @@ def test_bad_npy_and_tokenizer_files_name_the_config_key(tmp_path):
     np.save(tmp_path / "floats.npy", np.array([0.7, 1.9, 2.5]))
     with pytest.raises(ValueError, match=r"data.source=.*floats.npy.*float64.*integer dtype"):
         data_lib.read_tokens(DataConfig(source=str(tmp_path / "floats.npy")))
+    np.save(tmp_path / "rows.npy", np.arange(6, dtype=np.int32).reshape(2, 3))
+    with pytest.raises(ValueError, match=r"rows.npy' holds an array of shape \(2, 3\), not a "
+                                         r"1-D array.*reshape\(-1\)"):  # was flattened
+        data_lib.read_tokens(DataConfig(source=str(tmp_path / "rows.npy")))
     np.save(tmp_path / "empty.npy", np.array([], dtype=np.int32))
     with pytest.raises(ValueError, match=r"data.source=.*empty.npy.*no token ids"):
         data_lib.read_tokens(DataConfig(source=str(tmp_path / "empty.npy")))

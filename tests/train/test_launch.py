@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import pytest
 
 from aristax import cli
@@ -122,9 +123,28 @@ def test_processes_keep_the_users_xla_flags_but_not_the_device_count(monkeypatch
         monkeypatch.delenv("XLA_FLAGS", raising=False)
     else:
         monkeypatch.setenv("XLA_FLAGS", flags)
-    env = launch.process_env(1, 2, 1234)
+    env = launch.process_env(1, 2, 1234, devices=8)
     assert env.get("XLA_FLAGS") == kept
     assert env["ARISTAX_PROCESS_ID"] == "1" and env["ARISTAX_NUM_PROCESSES"] == "2"
+    # parallel.devices=0 leaves each process the count XLA_FLAGS gives (it was dropped)
+    assert launch.process_env(1, 2, 1234, devices=0).get("XLA_FLAGS") == flags
+
+
+def test_a_missing_plan_under_several_processes_does_not_suggest_one_process(monkeypatch):
+    """Without a plan one process may run without expert parallelism; several processes
+    may not (``check_batch_split``), so the message does not send them there."""
+    from aristax.train import load_config
+    from aristax.train.parallel_setup import plan_and_mesh
+
+    cfg = load_config("experiments/configs/tiny.yaml", ["parallel.expert_capacity=1"])
+    with pytest.raises(ValueError, match=r"no expert-parallel plan .*\(set parallel.expert_"
+                                         r"parallel=false to run without one\)"):
+        plan_and_mesh(cfg, jax.devices()[:4])  # 4 devices x 1 expert < 8 experts
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"\(2 processes train only through one: change the "
+                                         r"settings above or the number of devices\)") as err:
+        plan_and_mesh(cfg, jax.devices()[:4])
+    assert "expert_parallel=false" not in str(err.value)
 
 
 def test_parallel_devices_that_a_started_backend_cannot_have_is_refused(monkeypatch):
