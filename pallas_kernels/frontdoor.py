@@ -23,6 +23,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 Implementation = str | Sequence[str] | None
 
@@ -30,6 +32,30 @@ Implementation = str | Sequence[str] | None
 def is_count(value: Any) -> bool:
     """An integer (Python or NumPy) that is not a bool: ``True`` is no top_k."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def group_sizes_array(op: str, group_sizes: Any) -> Any:
+    """``group_sizes`` as an array (a list or tuple becomes a NumPy one); when concrete
+    (not traced), ValueError naming ``op`` unless every size is in [0, 2**31 - 1] (the
+    int32 the kernels take; a larger int64 wrapped silently before)."""
+    if isinstance(group_sizes, (list, tuple)):
+        group_sizes = np.asarray(group_sizes)
+    if hasattr(group_sizes, "dtype") and not isinstance(group_sizes, jax.core.Tracer):
+        sizes = np.asarray(group_sizes)
+        if np.issubdtype(sizes.dtype, np.integer) and sizes.size and (
+                sizes.min() < 0 or sizes.max() > np.iinfo(np.int32).max):
+            raise ValueError(f"{op}: group_sizes={sizes.tolist()} must be in [0, 2**31 - 1]: "
+                             "rows per group")
+    return group_sizes
+
+
+def check_num_valid(op: str, num_valid: Any) -> None:
+    """ValueError naming ``op`` unless ``num_valid`` is None or an integer scalar."""
+    if num_valid is not None and (jnp.shape(num_valid) not in ((), (1,))
+                                  or not jnp.issubdtype(jnp.result_type(num_valid),
+                                                        jnp.integer)):
+        raise ValueError(f"{op}: num_valid must be an integer scalar (or None); got "
+                         f"{jnp.result_type(num_valid)}{list(jnp.shape(num_valid))}")
 
 
 def matmul_precision() -> str | None:
@@ -114,8 +140,9 @@ def choose(
     for name in names:
         try:
             backends[name].check(*args, interpret=interpret)
-        except NotImplementedError as err:
-            reasons.append(f"{name}: {err}")
+        except NotImplementedError as err:  # backends may name themselves already
+            reason = str(err)
+            reasons.append(reason if reason.startswith(f"{name}:") else f"{name}: {reason}")
         else:
             return name
     raise NotImplementedError(

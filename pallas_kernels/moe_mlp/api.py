@@ -121,8 +121,7 @@ def _validate(x, sort_order, weights, group_sizes, gate_edf, up_edf, down_efd,
     if biases[0] is not None and not gated:
         _fail("gate_bias_ef", f"None for {activation!r} (no gate projection)",
               _shape(biases[0]))
-    if num_valid is not None and jnp.shape(num_valid) not in ((), (1,)):
-        _fail("num_valid", "a scalar or None", f"shape {jnp.shape(num_valid)}")
+    frontdoor.check_num_valid("moe_mlp", num_valid)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13))
@@ -321,10 +320,11 @@ def moe_mlp(
         last two activations, are ``EXTRAS`` that only some backends compute.
       swiglu_limit, swiglu_alpha: "clamped_swiglu"'s clamp and sigmoid slope.
       implementation: backend name or ordered list ("triton", "mosaic_gpu", "xla",
-        "reference"); None = the platform default ("triton" then "reference" on GPU:
-        at the Mixtral shape, T 4096, on an H200 forward and backward took 35 ms on
-        Triton and 65 ms on Mosaic GPU, ``gpu_check.py``; "xla" on CPU). Backends that
-        do not compute the call's ``EXTRAS`` are skipped.
+        "reference"); None = the platform default (``DEFAULT_ORDER``: "triton", "xla",
+        then "reference" on GPU: at the Mixtral shape, T 4096, on an H200 forward and
+        backward took 35 ms on Triton and 65 ms on Mosaic GPU, ``gpu_check.py``; "xla"
+        then "reference" on CPU). Backends that do not compute the call's ``EXTRAS``
+        are skipped.
       interpret: Pallas interpret mode; None = iff the default backend is the CPU
         (pass False to lower the real kernels, e.g. under ``jax.export``).
       tiles: the backend's tiles (``MoeMlpTiles`` for "triton", ``MosaicMoeMlpTiles``
@@ -335,6 +335,7 @@ def moe_mlp(
       Differentiable in x, weights, the expert weights and the biases.
     """
     biases = (gate_bias_ef, up_bias_ef, down_bias_ed)
+    group_sizes = frontdoor.group_sizes_array(OP, group_sizes)
     _validate(x, sort_order, weights, group_sizes, gate_edf, up_edf, down_efd,
               activation, num_valid, biases, weight_side)
     mlp = reference.ExpertMlp(activation, float(swiglu_limit), float(swiglu_alpha),

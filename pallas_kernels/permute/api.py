@@ -37,11 +37,7 @@ def _check_order(op: str, sort_order, num_rows: int, num_valid) -> None:
         raise ValueError(
             f"{op}: sort_order must be an integer array of shape [T*K] = [{num_rows}]; got "
             f"{sort_order.dtype}{list(sort_order.shape)}")
-    if num_valid is not None and (jnp.shape(num_valid) not in ((), (1,))
-                                  or not jnp.issubdtype(jnp.result_type(num_valid),
-                                                        jnp.integer)):
-        raise ValueError(f"{op}: num_valid must be an integer scalar (or None); got "
-                         f"{jnp.result_type(num_valid)}{list(jnp.shape(num_valid))}")
+    frontdoor.check_num_valid(op, num_valid)
 
 
 def _validate_permute(x, sort_order, top_k, num_valid) -> None:

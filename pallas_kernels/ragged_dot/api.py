@@ -35,7 +35,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from aristax.pallas_kernels import frontdoor
 from aristax.pallas_kernels.ragged_dot import mosaic_gpu, reference, triton, xla
@@ -75,10 +74,6 @@ def _validate(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> None:
             f"group_sizes must be an integer array of shape [G]=({rhs.shape[0]},); got "
             f"{group_sizes.dtype}{list(group_sizes.shape)}"
         )
-    if not isinstance(group_sizes, jax.core.Tracer):  # concrete (an eager call): checked
-        sizes = np.asarray(group_sizes)
-        if sizes.min(initial=0) < 0:
-            raise ValueError(f"group_sizes={sizes.tolist()} must be >= 0: rows per group")
 
 
 def _choose(names: Sequence[str], lhs, rhs, group_sizes, out_dtype, interpret) -> str:
@@ -174,7 +169,8 @@ def ragged_dot(
 
     Args:
       lhs: [M, K], rows grouped consecutively. rhs: [G, K, N].
-      group_sizes: int32[G] rows per group, >= 0 (refused when concrete). Rows past
+      group_sizes: int[G] rows per group (an array, list or tuple), in [0, 2**31 - 1]
+        (refused outside it when concrete). Rows past
         sum(group_sizes) give zeros; groups past row M lose those rows, as in
         ``jax.lax.ragged_dot``.
       preferred_element_type: accumulation/output dtype (e.g. float32 for bf16 inputs).
@@ -188,6 +184,7 @@ def ragged_dot(
     Returns:
       [M, N] in ``preferred_element_type`` (default: the promoted input dtype).
     """
+    group_sizes = frontdoor.group_sizes_array(OP, group_sizes)  # range-checked if concrete
     _validate(lhs, rhs, group_sizes)
     group_sizes = group_sizes.astype(jnp.int32)
     out_dtype = jnp.dtype(preferred_element_type if preferred_element_type is not None

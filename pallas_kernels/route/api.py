@@ -18,6 +18,7 @@ from types import ModuleType
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from aristax.pallas_kernels import frontdoor
 from aristax.pallas_kernels.route import mosaic_gpu, reference, triton
@@ -33,7 +34,7 @@ BACKENDS: dict[str, ModuleType] = {
 DEFAULT_ORDER: dict[str, tuple[str, ...]] = {"gpu": ("triton", "reference")}
 
 
-def _validate(x, w_router, bias, top_k: int, score: str) -> None:
+def _validate(x, w_router, bias, top_k: int, score: str, normalize: bool) -> None:
     """ValueError naming the argument and the expected shape or value."""
     if x.ndim != 2:
         raise ValueError(f"route: x must be [T, D]; got shape {tuple(x.shape)}")
@@ -53,6 +54,8 @@ def _validate(x, w_router, bias, top_k: int, score: str) -> None:
         raise ValueError(f"route: top_k must be an int in [1, E={E}]; got {top_k!r}")
     if score not in SCORES:
         raise ValueError(f"route: score must be one of {SCORES}; got {score!r}")
+    if not isinstance(normalize, (bool, np.bool_)):  # "no" would renormalise
+        raise ValueError(f"route: normalize must be True or False; got {normalize!r}")
 
 
 def _score_vjp(logits: jax.Array, ids: jax.Array, dweights: jax.Array,
@@ -147,7 +150,7 @@ def route(
       int32[E], sort_order int32[T*K])``; logits and weights are differentiable
       w.r.t. x and w_router.
     """
-    _validate(x, w_router, bias, top_k, score)
+    _validate(x, w_router, bias, top_k, score, normalize)
     names = frontdoor.candidates(OP, BACKENDS, DEFAULT_ORDER, implementation)
     interpret = frontdoor.resolve_interpret(interpret)
     name = frontdoor.choose(OP, BACKENDS, names, x, w_router, int(top_k), interpret=interpret)

@@ -341,7 +341,10 @@ def test_backend_choice_and_fallback(name, monkeypatch):
         (dict(down_efd=jnp.zeros((3, 3, 5))), r"down_efd must be \[E, F, D\] = \[3, 5, 3\]"),
         (dict(gate_edf=None), r"gate_edf must be \[E, D, F\] = \[3, 3, 5\] for 'swiglu'"),
         (dict(activation="gelu"), "gate_edf must be None for 'gelu'"),
-        (dict(num_valid=jnp.zeros(3, jnp.int32)), "num_valid must be a scalar"),
+        (dict(num_valid=jnp.zeros(3, jnp.int32)), "num_valid must be an integer scalar"),
+        # a user trial: both ran, 3.9 as 3 and the negative size as garbage
+        (dict(num_valid=3.9), r"num_valid must be an integer scalar \(or None\); got float"),
+        (dict(group_sizes=np.array([-2, 6, 4])), r"group_sizes=\[-2, 6, 4\] must be in \[0, "),
     ],
 )
 def test_front_door_errors(change, match):

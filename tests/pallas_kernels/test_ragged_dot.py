@@ -337,11 +337,31 @@ def test_invalid_implementation_raises(implementation):
     ((13, 8), (2, 8, 4), np.zeros(3, np.int32), r"group_sizes must be .* \[G\]=\(2,\)"),
     ((13, 8), (2, 8, 4), np.zeros(2, np.float32), "group_sizes must be an integer array"),
     # a user trial: all zeros came back, with no error
-    ((13, 8), (2, 8, 4), np.array([-2, 5], np.int32), r"group_sizes=\[-2, 5\] must be >= 0"),
+    ((13, 8), (2, 8, 4), np.array([-2, 5], np.int32),
+     r"group_sizes=\[-2, 5\] must be in \[0, 2\*\*31 - 1\]"),
+    # a user trial: int64 sizes beyond int32 wrapped to [2, 2] silently
+    ((13, 8), (2, 8, 4), np.array([2**32 + 2, 2], np.int64), r"group_sizes=\[4294967298, 2\]"),
 ])
 def test_bad_operands_name_the_argument(lhs_shape, rhs_shape, sizes, words):
     with pytest.raises(ValueError, match=words):
-        api.ragged_dot(jnp.ones(lhs_shape), jnp.ones(rhs_shape), jnp.asarray(sizes))
+        api.ragged_dot(jnp.ones(lhs_shape), jnp.ones(rhs_shape), sizes)
+
+
+def test_group_sizes_may_be_a_list():
+    """A list is an array of sizes, as for jax.lax.ragged_dot's callers (it raised
+    AttributeError: 'list' object has no attribute 'shape')."""
+    lhs, rhs, _ = operands(13, jnp.float32, (8, 4, 4, 2))
+    got = api.ragged_dot(lhs, rhs, [3, 4], implementation="xla")
+    np.testing.assert_allclose(got, jax.lax.ragged_dot(lhs, rhs, jnp.array([3, 4])),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_a_backend_reason_names_the_backend_once():
+    lhs, rhs, _ = operands(13, jnp.float32, (8, 4, 4, 2))
+    with pytest.raises(NotImplementedError) as err:
+        api.ragged_dot(lhs, rhs.astype(jnp.bfloat16), np.array([3, 4]),
+                       preferred_element_type=jnp.float32, implementation="xla")
+    assert "(xla: lhs float32 and rhs bfloat16 differ)" in str(err.value), err.value
 
 
 def test_triton_tiles_validate_and_fit_shapes():

@@ -295,6 +295,7 @@ def test_bias_changes_selection_not_weights(backend):
         (dict(bias=jnp.zeros((5,))), r"bias must be \[E\] = \[4\]"),
         (dict(top_k=5), r"top_k must be an int in \[1, E=4\]"),
         (dict(score="relu"), "score must be one of"),
+        (dict(normalize="no"), "normalize must be True or False; got 'no'"),  # renormalised
     ],
 )
 def test_front_door_errors(kwargs, match):
