@@ -320,11 +320,10 @@ def moe_mlp(
         last two activations, are ``EXTRAS`` that only some backends compute.
       swiglu_limit, swiglu_alpha: "clamped_swiglu"'s clamp and sigmoid slope.
       implementation: backend name or ordered list ("triton", "mosaic_gpu", "xla",
-        "reference"); None = the platform default (``DEFAULT_ORDER``: "triton", "xla",
-        then "reference" on GPU: at the Mixtral shape, T 4096, on an H200 forward and
-        backward took 35 ms on Triton and 65 ms on Mosaic GPU, ``gpu_check.py``; "xla"
-        then "reference" on CPU). Backends that do not compute the call's ``EXTRAS``
-        are skipped.
+        "reference"); None = ``DEFAULT_ORDER`` ("triton", "xla", "reference" on GPU:
+        at the Mixtral shape, T 4096, on an H200 forward and backward took 35 ms on
+        Triton and 65 ms on Mosaic GPU, ``gpu_check.py``; "xla", "reference" on CPU).
+        Backends that do not compute the call's ``EXTRAS`` are skipped.
       interpret: Pallas interpret mode; None = iff the default backend is the CPU
         (pass False to lower the real kernels, e.g. under ``jax.export``).
       tiles: the backend's tiles (``MoeMlpTiles`` for "triton", ``MosaicMoeMlpTiles``
