@@ -109,10 +109,18 @@ def check_array(x) -> None:
 def check_tokens(x: jax.Array, config: MoEConfig) -> None:
     """Raise a ``ValueError`` unless x is [T, D] floating with T >= 1, D = d_model (a
     ``TypeError`` when x is not an array or config not a ``MoEConfig``)."""
+    if isinstance(config, jax.core.Tracer):
+        raise TypeError("config is a traced value: jax.jit traced the MoEConfig argument; "
+                        "mark it static (jax.jit(aristax.moe, static_argnames='config')) "
+                        "or close over it (functools.partial(aristax.moe, config=config))")
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__} (the "
                         "arguments are (x, params, config))")
     check_array(x)
+    if not all(isinstance(n, (int, np.integer)) for n in x.shape):
+        raise ValueError(f"x has symbolic shape {x.shape} (jax.export shape "
+                         "polymorphism): the layer's tiles and loops are planned for "
+                         "concrete shapes; export one program per token count")
     D = config.d_model
     if x.ndim != 2 or x.shape[1] != D:
         raise ValueError(f"x has shape {x.shape}; it must be [T, D] with D = MoEConfig."
@@ -215,7 +223,8 @@ def moe(
       y: [T, D] in x's dtype (the compute dtype when ``config.dtype`` is set).
       aux: dict with
         loss: weighted sum of the auxiliary losses (add it to the training loss),
-        lb_loss, seq_aux_loss, z_loss: float32[],
+        lb_loss, seq_aux_loss, z_loss: float32[] (float64 for float64 x, as are
+          router_logits),
         expert_load: int32[E] routed assignments per expert (before drops),
         dropped_fraction: float32[] dropped / routed assignments,
         num_dropped: int32[], nonfinite_tokens: int32[] tokens with NaN/inf logits
@@ -225,12 +234,13 @@ def moe(
     Raises:
       ValueError: x, params, bias or seq_len do not fit ``config`` (``check_inputs``).
 
-    Differentiation: reverse mode (``jax.grad``, ``jax.vjp``, ``jax.linearize``) works
-    on every path. The kernel front doors are ``custom_vjp`` functions, so forward
-    mode (``jax.jvp``, ``jax.jacfwd``) raises JAX's "can't apply forward-mode autodiff
-    (jvp) to a custom_vjp function" on every path. The "xla" grouped GEMM and fused
-    expert MLP (the CPU default) have backward passes that loop over traced trip
-    counts, so a second reverse derivative (grad of grad) raises there; with
+    Differentiation: reverse mode (``jax.grad``, ``jax.vjp``) works on every path.
+    The kernel front doors are ``custom_vjp`` functions, so forward mode (``jax.jvp``,
+    ``jax.linearize``, ``jax.jacfwd``, ``jax.hessian``) raises JAX's "can't apply
+    forward-mode autodiff (jvp) to a custom_vjp function" on every path. The "xla"
+    fused expert MLP (the CPU default) and, at most sizes, the "xla" grouped GEMM have
+    backward passes that loop over traced trip counts, so a second reverse derivative
+    (grad of grad) raises a ``NotImplementedError`` naming the fix there; with
     ``config.implementation="reference"`` it works.
     """
     seq_len = check_inputs(x, params, config, bias=bias, seq_len=seq_len)

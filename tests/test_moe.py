@@ -343,6 +343,55 @@ def test_arguments_of_the_wrong_type_say_what_they_must_be():
         moe(x, params, cfg, seq_len=3.0)
 
 
+def test_traced_config_and_symbolic_tokens_say_the_fix():
+    """A user trial: ``jax.jit(moe)(x, params, config)`` said "config must be a
+    MoEConfig, got DynamicJaxprTracer" though one was passed, and ``jax.export`` with a
+    symbolic token count failed inside the sort with JAX's InconclusiveDimensionOperation.
+    Both now say what to do."""
+    cfg = MoEConfig(num_experts=4, top_k=2, d_model=8, d_ff=8)
+    x, params = jnp.ones((6, 8)), make(cfg).params()
+    with pytest.raises(TypeError, match="config is a traced value.*static_argnames='config'"):
+        jax.jit(moe)(x, params, cfg)
+    assert jax.jit(moe, static_argnames="config")(x, params, cfg)[0].shape == (6, 8)
+    T, = jax.export.symbolic_shape("T")
+    with pytest.raises(ValueError, match="x has symbolic shape.*one program per token count"):
+        jax.export.export(jax.jit(lambda x, p: moe(x, p, cfg)[0]))(
+            jax.ShapeDtypeStruct((T, 8), jnp.float32), params)
+
+
+@pytest.mark.parametrize("overrides", [dict(implementation="reference"),
+                                       dict(capacity_factor=0.75), dict()])
+def test_second_derivative_equals_loop_or_names_the_fix(overrides):
+    """grad of grad (w.r.t. x, of a loss of the input gradient) equals the per-token
+    loop's, float64, where the path's backward is differentiable ("reference"; the
+    capacity path's small grouped GEMMs, whose loops have static trip counts); on the
+    CPU default (the fused "xla" loop, trip counts traced) it raises a
+    NotImplementedError naming implementation='reference' (a user trial: JAX's
+    "Reverse-mode differentiation does not work for lax.while_loop" before)."""
+    cfg = MoEConfig(num_experts=4, top_k=2, d_model=6, d_ff=8, **overrides)
+    module = make(cfg)
+    with jax.enable_x64(True):
+        p = {k: None if v is None else jnp.asarray(v, jnp.float64)
+             for k, v in param_dict(module).items()}
+        x = jax.random.normal(jax.random.key(3), (10, 6), jnp.float64)
+        pl = ref.plan(x, p["router_de"], cfg)
+
+        def grad_of_grad(forward):
+            def input_grad_norm(x):
+                return jnp.sum(jax.grad(lambda x: jnp.sum(forward(x) ** 2))(x) ** 2)
+            return jax.grad(input_grad_norm)(x)
+
+        want = grad_of_grad(lambda x: ref.forward(x, p, cfg, pl, xnp=jnp))
+        if not overrides:
+            with pytest.raises(NotImplementedError,
+                               match="moe_mlp: backend 'xla'.*implementation='reference'"):
+                grad_of_grad(lambda x: moe(x, MoEParams(**p), cfg)[0])
+            return
+        got = grad_of_grad(lambda x: moe(x, MoEParams(**p), cfg)[0])
+    assert np.abs(np.asarray(want)).max() > 0
+    np.testing.assert_allclose(got, want, rtol=1e-8, atol=1e-10)
+
+
 def test_seq_len_may_be_a_numpy_integer():
     """A user trial: seq_len=np.int64(3) of T=6 was refused as "must be a positive
     divisor of the T=6 tokens"; it now gives what seq_len=3 gives (per-sequence

@@ -183,14 +183,19 @@ def _assignment_values(values, sort_order, shape):
 def _kernel_bwd(name, mlp, interpret, tiles, precision, residuals, dy):
     """Gradients for x, weights, gate, up, down and the biases (module docstring); None
     for the integer arguments. Traced at the forward call's matmul precision."""
-    residuals, saved = residuals
     with jax.default_matmul_precision(precision):
-        backend = BACKENDS[name]
-        if hasattr(backend, "backward"):
-            return backend.backward(residuals, saved, dy, mlp=mlp, tiles=tiles,
-                                    interpret=interpret)
-        return _kernel_grads(name, mlp.activation, interpret, tiles, residuals[:-1], dy) + (
-            residuals[-1],)  # the biases: all None here
+        return frontdoor.first_order(OP, name, functools.partial(
+            _backend_grads, name, mlp, interpret, tiles), residuals, dy)
+
+
+def _backend_grads(name, mlp, interpret, tiles, residuals, dy):
+    residuals, saved = residuals
+    backend = BACKENDS[name]
+    if hasattr(backend, "backward"):
+        return backend.backward(residuals, saved, dy, mlp=mlp, tiles=tiles,
+                                interpret=interpret)
+    return _kernel_grads(name, mlp.activation, interpret, tiles, residuals[:-1], dy) + (
+        residuals[-1],)  # the biases: all None here
 
 
 def _kernel_grads(name, activation, interpret, tiles, residuals, dy):

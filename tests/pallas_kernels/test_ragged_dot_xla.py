@@ -107,6 +107,35 @@ def test_an_inf_in_an_empty_groups_weights_reaches_no_row():
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [48, 4096])
+def test_second_derivative_equals_lax_or_names_the_fix(rows):
+    """grad of grad (w.r.t. lhs, of a loss of lhs's gradient) equals lax.ragged_dot's
+    where the loops' trip counts are static (48 rows: the masked loop alone); at 4096
+    rows x 32 x 32 (the aligned loops, counts traced) it raises a NotImplementedError
+    naming implementation='reference', not JAX's while_loop error (a user trial)."""
+    lhs, rhs, _ = operands(4, rows, 32, 32, 4, np.float64)
+    sizes = jnp.asarray([rows // 4, 0, rows // 2, rows // 8], jnp.int32)
+
+    def grad_of_grad(dot):
+        def lhs_grad_norm(a):
+            return jnp.sum(jax.grad(lambda a: jnp.sum(dot(a) ** 2))(a) ** 2)
+        return jax.grad(lhs_grad_norm)(jnp.asarray(lhs))
+
+    def ours(a):
+        return api.ragged_dot(a, jnp.asarray(rhs), sizes, implementation="xla")
+
+    with jax.enable_x64(True):
+        if rows > 48:
+            with pytest.raises(NotImplementedError,
+                               match="ragged_dot: backend 'xla'.*implementation='reference'"):
+                grad_of_grad(ours)
+            return
+        want = grad_of_grad(lambda a: jax.lax.ragged_dot(a, jnp.asarray(rhs), sizes))
+        got = grad_of_grad(ours)
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-9)
+    assert np.abs(np.asarray(want)).max() > 1
+
+
 def test_empty_operands():
     for m, k, n, g in [(0, 4, 5, 3), (6, 0, 5, 3), (6, 4, 0, 3)]:
         lhs, rhs = jnp.ones((m, k)), jnp.ones((g, k, n))
