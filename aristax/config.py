@@ -268,8 +268,12 @@ class MoEConfig:
         named. On an H200 at the Mixtral shape (T 4096, bf16) the GPU default was the
         fastest layer, forward and backward in 22 ms, against 37 ms with "triton" named
         and 70 ms with "mosaic_gpu" (``experiments/benchmarks/gpu_check.py``).
-      debug_checks: the ``MoE`` layer raises (after the call, outside ``jit``) when some
-        router logits are not finite. Otherwise, and always in the functional ``moe``,
+      debug_checks: the ``MoE`` layer raises when some router logits are not finite:
+        a ``FloatingPointError`` after an eager call; under ``jit`` a host callback
+        fails the computation, which JAX reports as a ``jax.errors.JaxRuntimeError``
+        whose message ends in that error's text (``except FloatingPointError`` does
+        not catch it; for a typed error there, read ``aux["nonfinite_tokens"]``
+        after the jitted call). Otherwise, and always in the functional ``moe``,
         ``chunked_moe`` and ``expert_parallel_moe``, such tokens are routed nowhere and
         counted in ``aux["nonfinite_tokens"]``.
       num_chunks: Lancet overlap: split the tokens into this many chunks so one chunk's

@@ -594,12 +594,14 @@ class MoE(JitterView, nnx.Module):
 
 
 def _raise_if_nonfinite(count: jax.Array) -> None:
-    """Raise (also under jit, through a host callback) when router logits were NaN/inf."""
+    """Raise a ``FloatingPointError`` when router logits were NaN/inf: eagerly here;
+    under jit from a host callback, so the call fails with JAX's ``JaxRuntimeError``
+    carrying its text (``MoEConfig.debug_checks``)."""
 
     def check(n):
         if int(n) > 0:
             raise FloatingPointError(
-                f"{int(n)} tokens have non-finite router logits (MoEConfig.debug_checks)"
+                f"{int(n)} token(s) have non-finite router logits (MoEConfig.debug_checks)"
             )
 
     if isinstance(count, jax.core.Tracer):
