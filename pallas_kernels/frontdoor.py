@@ -58,25 +58,28 @@ def check_num_valid(op: str, num_valid: Any) -> None:
                          f"{jnp.result_type(num_valid)}{list(jnp.shape(num_valid))}")
 
 
-def first_order(op: str, name: str, grads: Callable[..., Any], *args: Any) -> Any:
-    """``grads(*args)``, the backward of backend ``name`` of ``op``, differentiated
-    (a second reverse derivative: grad of grad) by JAX where it can
-    be; where it cannot (loops with traced trip counts, Pallas kernels), a
-    ``NotImplementedError`` names the way out ("reference", which plain JAX autodiff
-    differentiates to any order) instead of JAX's error from inside the loop."""
+def guard_second_derivative(op: str, name: str, grads: Callable[..., Any], *args: Any) -> Any:
+    """``grads(*args)``, the backward of backend ``name`` of ``op``. A second reverse
+    derivative (grad of grad) differentiates it with JAX where JAX can (at the call's
+    matmul precision); where JAX cannot (loops with traced trip counts, Pallas
+    kernels), a ``NotImplementedError`` names the way out ("reference", which plain JAX
+    autodiff differentiates to any order) instead of JAX's error from inside a loop."""
+    precision = matmul_precision()
+
     @jax.custom_vjp
     def call(*args):
         return grads(*args)
 
     def second_derivative(args, cotangents):
         try:
-            return jax.vjp(grads, *args)[1](cotangents)
+            with jax.default_matmul_precision(precision):
+                return jax.vjp(grads, *args)[1](cotangents)
         except (ValueError, TypeError, NotImplementedError) as err:
             raise NotImplementedError(
                 f"{op}: backend {name!r} computes first derivatives only here, so a second "
-                "reverse derivative (grad of grad) is not available on it; "
-                "pass implementation='reference' (MoEConfig(implementation='reference') "
-                "for the layer), which JAX differentiates to any order") from err
+                "reverse derivative (grad of grad) is not available on it; pass "
+                "implementation='reference' (MoEConfig(implementation='reference') for the "
+                "layer), which JAX differentiates to any order") from err
 
     call.defvjp(lambda *args: (grads(*args), args), second_derivative)
     return call(*args)

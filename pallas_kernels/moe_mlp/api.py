@@ -184,7 +184,7 @@ def _kernel_bwd(name, mlp, interpret, tiles, precision, residuals, dy):
     """Gradients for x, weights, gate, up, down and the biases (module docstring); None
     for the integer arguments. Traced at the forward call's matmul precision."""
     with jax.default_matmul_precision(precision):
-        return frontdoor.first_order(OP, name, functools.partial(
+        return frontdoor.guard_second_derivative(OP, name, functools.partial(
             _backend_grads, name, mlp, interpret, tiles), residuals, dy)
 
 

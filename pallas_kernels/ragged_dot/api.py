@@ -123,7 +123,7 @@ def _kernel_ragged_dot_fwd(lhs, rhs, group_sizes, name, out_dtype, interpret, ti
 def _kernel_ragged_dot_bwd(name, out_dtype, interpret, tiles, precision, residuals, dout):
     """dlhs[M, K] = gmm(dout, rhs^T), drhs[G, K, N] = tgmm(lhs, dout); none for sizes."""
     with jax.default_matmul_precision(precision):
-        return frontdoor.first_order(OP, name, functools.partial(
+        return frontdoor.guard_second_derivative(OP, name, functools.partial(
             _ragged_dot_grads, name, interpret, tiles), residuals, dout)
 
 
