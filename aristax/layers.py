@@ -29,6 +29,7 @@ from aristax.config import MoEConfig
 from aristax.moe import MoEParams, check_array, moe
 from aristax.parallel import (chunked_moe, expert_parallel_moe, expert_parallel_options,
                               layout_experts, tokens_per_shard)
+from aristax.parallel.expert_parallel import EXPERT_CHOICE_REFUSAL
 from aristax.sharding import EXPERT_AXIS, EXPERT_FIELDS, PARAM_DIMS, MoEAxes, sharded_param
 
 # Fan-in scaling of a stacked [E, in, out] weight: each expert on its own.
@@ -377,6 +378,8 @@ class MoE(JitterView, nnx.Module):
         if plan.num_experts != self.config.num_experts:
             raise ValueError(f"plan.num_experts={plan.num_experts} but MoEConfig.num_experts="
                              f"{self.config.num_experts}; plan for the model's E")
+        if self.config.router == "expert_choice":
+            raise ValueError(EXPERT_CHOICE_REFUSAL)
         logical = self.logical_params()
         self.ep_options = ExpertParallelOptions(**expert_parallel_options(
             plan, self.mesh, exchange=self.config.exchange))

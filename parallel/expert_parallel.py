@@ -287,6 +287,13 @@ def _local_moe(x, router_in, params, bias, *, config, slot_of_expert, axes, expe
 
 
 # ------------------------------------------------------------------ front door
+EXPERT_CHOICE_REFUSAL = (
+    "MoEConfig.router='expert_choice' picks tokens over the whole batch, which expert "
+    "parallelism (each rank routing its own tokens) cannot: use a token-choice router "
+    "(e.g. 'softmax_topk') for an expert-parallel layer, or run expert choice on a layer "
+    "without plan= or an expert mesh axis (num_chunks included)")
+
+
 def expert_parallel_options(plan, mesh, *, platform: str | None = None,
                             exchange: str | None = None) -> dict[str, Any]:
     """``expert_parallel_moe`` keyword arguments that carry out ``plan`` on ``mesh``.
@@ -328,6 +335,12 @@ def expert_parallel_options(plan, mesh, *, platform: str | None = None,
         exchange = ("hierarchical" if isinstance(expert_axis, tuple)
                     else default_exchange(platform))
     check_exchange(exchange)
+    if exchange == "hierarchical" and not isinstance(expert_axis, tuple):
+        raise ValueError(
+            f"exchange='hierarchical' needs a plan mesh that splits each group over "
+            f"('node', 'local'), not {expert_axis!r}: build it with mesh_from_plan(plan, "
+            "devices, topology=topology, hierarchical=True), or leave MoEConfig.exchange "
+            "None for the plan's own")
     schedule = (rounds_from_schedule(max(plan.schedules, key=lambda s: s.makespan))
                 if exchange == "scheduled" else None)
     return {
@@ -419,8 +432,7 @@ def _validate(x, config, mesh, expert_axis, token_axes, expert_perm, buffer_size
                          f"expert axes {expert_axes} (each expert-parallel rank routes its own "
                          "tokens); e.g. token_axes=None: ('data',) + the expert axes")
     if config.router == "expert_choice":
-        raise ValueError("MoEConfig.router='expert_choice' picks tokens over the whole batch; "
-                         "expert_parallel_moe supports token-choice routers only")
+        raise ValueError(EXPERT_CHOICE_REFUSAL)
     if ("mosaic_gpu" in frontdoor.named(config.implementation)
             and frontdoor.resolve_interpret(None) and mesh.size > 1):
         raise ValueError(

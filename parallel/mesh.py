@@ -158,7 +158,8 @@ def expert_permutation(plan, *, allow_replicas: bool = False) -> np.ndarray:
             raise ValueError(
                 f"plan.replicas[{g}] lays experts out differently from plan.replicas[0]; "
                 "expert-parallel weights are replicated over 'data', so every group needs "
-                "the same per-device layout.")
+                "the same per-device layout: plan with make_plan(..., equal_groups=True), "
+                "which keeps only groupings that share one.")
     width = max(len(s) for s in first)
     perm = np.asarray([e for slots in first for e in tuple(slots)
                        + (EMPTY_SLOT,) * (width - len(slots))], dtype=np.int32)

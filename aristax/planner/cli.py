@@ -33,7 +33,8 @@ from aristax.planner.topology import PRESETS, Topology, preset
 
 
 def parse_topology(spec: str) -> Topology:
-    """A file path (.yaml/.yml/.json) or ``preset[:int,int...]``."""
+    """A file path (.yaml/.yml/.json) or ``preset[:args]``, args comma-separated
+    numbers, positional then key=value (``uniform:8,expert_capacity=2``)."""
     path = Path(spec)
     if path.suffix in (".yaml", ".yml", ".json"):
         if not path.exists():
@@ -45,12 +46,24 @@ def parse_topology(spec: str) -> Topology:
         hint = f"did you mean {close[0]}? " if close else ""
         raise ValueError(f"TOPOLOGY {spec!r} is neither a .yaml/.json file nor a preset; "
                          f"{hint}use one of {sorted(PRESETS)}, e.g. perlmutter:4.")
+    values, keywords = [], {}
+    for item in args.split(",") if args else []:
+        key, eq, text = item.rpartition("=")
+        try:
+            value = int(text) if eq == "" or text.lstrip("+-").isdigit() else float(text)
+        except ValueError:
+            raise ValueError(f"preset arguments in {spec!r} must be numbers, positional or "
+                             "key=value, e.g. heterogeneous_mix:1,2 or uniform:8,expert_capacity=2."
+                             ) from None
+        if eq:
+            keywords[key.strip()] = value
+        elif keywords:
+            raise ValueError(f"preset arguments in {spec!r}: positional ones come before "
+                             "key=value ones, e.g. uniform:8,expert_capacity=2.")
+        else:
+            values.append(value)
     try:
-        values = [int(a) for a in args.split(",")] if args else []
-    except ValueError:
-        raise ValueError(f"preset arguments in {spec!r} must be integers, e.g. heterogeneous_mix:1,2.") from None
-    try:
-        return preset(name, *values)
+        return preset(name, *values, **keywords)
     except ValueError as err:
         raise ValueError(f"TOPOLOGY {spec!r}: {err}") from None
 
@@ -138,7 +151,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     """Add the ``plan`` subcommand to an argparse subparsers object (func=run)."""
     p = subparsers.add_parser("plan", help="plan expert parallelism for a cluster topology",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("topology", metavar="TOPOLOGY", help="topology .yaml/.json or preset, e.g. perlmutter:4")
+    p.add_argument("topology", metavar="TOPOLOGY", help="topology .yaml/.json or preset[:args], e.g. perlmutter:4 or "
+                   "uniform:8,expert_capacity=2 (positional, then key=value)")
     p.add_argument("--experts", type=positive_int, default=64, help="number of experts E (default 64)")
     p.add_argument("--top-k", type=positive_int, default=2, help="experts per token K (default 2)")
     p.add_argument("--d-model", type=positive_int, default=1024, help="model dim D (default 1024)")

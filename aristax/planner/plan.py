@@ -19,7 +19,8 @@ baseline groupings it is checked against.
    LysiGroup's answer unconditionally. The candidates also include equal groups
    (:func:`equal_size_groups`: every size whose groups each hold the experts), which a
    device mesh needs (``mesh_from_plan``); ``equal_groups=True`` keeps only candidates
-   of equal sizes, so that the plan runs in the layer;
+   of equal sizes whose groups share one expert layout (step 2), so that the plan runs
+   in the layer;
 2. placement per group: :func:`~aristax.planner.lysi.lysi_assign` (Aristos Alg. 2)
    with expert costs p_e |g| T K f (p = routing share of each expert), or, when
    ``model.num_replicas`` is set, :func:`~aristax.planner.replication.replicate_experts`
@@ -176,9 +177,10 @@ def make_plan(
     ``select``: "best" or "lysi" (module doc, step 1; ignored when ``groups`` is given);
     meta["grouping"] names the grouping kept ("lysi", "single_node", "world",
     "minimal", "equal:<size>" or "given") and meta["candidates"] the simulated
-    iteration times of all candidates. ``equal_groups=True``: groups of one size, as
+    iteration times of all candidates. ``equal_groups=True``: groups of one size whose
+    devices lay the experts out alike (one layout, repeated by every group), as
     ``mesh_from_plan`` and the layer need (given ``groups`` or LysiGroup's with
-    ``select="lysi"`` that are not equal are refused).
+    ``select="lysi"`` that are not are refused).
     Deterministic: equal inputs give equal plans (and equal JSON).
     """
     if not isinstance(topology, Topology):
@@ -199,11 +201,13 @@ def make_plan(
     if groups is not None:
         check_groups(groups, topology.num_devices)
         _check_equal(groups, equal_groups, "groups=")
-        return _make_plan(topology, model, groups, grouping="given", **kwargs)
+        return _check_layout(_make_plan(topology, model, groups, grouping="given", **kwargs),
+                             equal_groups, "groups=")
     lysi_groups = lysi_group(topology, model.workload(), policy=policy)
     if select == "lysi":
         _check_equal(lysi_groups, equal_groups, "LysiGroup (select='lysi')")
-        return _make_plan(topology, model, lysi_groups, grouping="lysi", **kwargs)
+        return _check_layout(_make_plan(topology, model, lysi_groups, grouping="lysi", **kwargs),
+                             equal_groups, "LysiGroup (select='lysi')")
     candidates = {"lysi": lysi_groups}
     for kind in ("single_node", "world", "minimal"):
         candidates[kind] = baseline_groups(topology, model.num_experts, kind)
@@ -219,6 +223,15 @@ def _check_equal(groups, equal_groups: bool, what: str) -> None:
     if equal_groups and len(set(sizes)) > 1:
         raise ValueError(f"equal_groups=True but {what} gives groups of sizes {sizes}; pass "
                          "groups of one size, or select='best' to choose among equal ones.")
+
+
+def _check_layout(plan: Plan, equal_groups: bool, what: str) -> Plan:
+    if equal_groups and len(set(plan.replicas)) > 1:
+        raise ValueError(f"equal_groups=True but {what} gives groups of unlike devices (FLOP/s, "
+                         "expert capacity), whose expert layouts differ, and the layer needs "
+                         "one; pass groups of matching devices, or select='best' to choose "
+                         "among groupings that share one layout.")
+    return plan
 
 
 def _fastest(candidates: dict, topology: Topology, model: ModelSpec, equal_groups: bool, *,
@@ -243,6 +256,12 @@ def _fastest(candidates: dict, topology: Topology, model: ModelSpec, equal_group
         except ValueError as error:  # e.g. num_replicas not a multiple of the group sizes
             errors.append(error)
             continue
+        if equal_groups and not _one_layout(slots):
+            errors.append(ValueError(
+                f"equal_groups=True: grouping {kind!r} has groups of unlike devices (FLOP/s, "
+                "expert capacity), so their expert layouts differ, and the layer needs one; "
+                "pass groups= of devices with matching FLOP/s and capacity"))
+            continue
         layers = [group_layer_time(sl, g, topology, model) for g, sl in slots]
         times[kind] = iteration_time(layers, groups, topology, model)[2]
         if best is None or times[kind] < times[best]:
@@ -250,6 +269,13 @@ def _fastest(candidates: dict, topology: Topology, model: ModelSpec, equal_group
     if best is None:
         raise errors[0]
     return best, times
+
+
+def _one_layout(slots: list[tuple[list[int], list]]) -> bool:
+    """Whether every group lays its slots out as the first does (device by device), as
+    the layer needs: its expert weights are replicated over the groups."""
+    first = [list(xs) for xs in slots[0][1]]
+    return all([list(xs) for xs in sl] == first for _, sl in slots[1:])
 
 
 def _group_slots(topology: Topology, model: ModelSpec, groups, *, assign: str, seed: int

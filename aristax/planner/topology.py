@@ -421,7 +421,10 @@ def preset(name: str, *args: Any, **kwargs: Any) -> Topology:
         raise ValueError(f"unknown preset {name!r}; {hint}use one of {sorted(PRESETS)}.")
     signature = inspect.signature(PRESETS[name])
     types = typing.get_type_hints(PRESETS[name])
-    params = ", ".join(p.name if p.default is p.empty else f"{p.name}={p.default:g}"
+    first_keyword = next((p for p in signature.parameters.values()
+                          if p.kind is p.KEYWORD_ONLY), None)
+    params = ", ".join(("*, " if p.kind is p.KEYWORD_ONLY and p is first_keyword else "")
+                       + (p.name if p.default is p.empty else f"{p.name}={p.default:g}")
                        for p in signature.parameters.values())
     try:
         bound = signature.bind(*args, **kwargs)

@@ -151,6 +151,26 @@ def test_expert_parallel_options_refuses_a_mesh_not_built_from_its_plan(shape):
     assert expert_parallel_options(plan, mesh_from_plan(plan))["expert_axis"] == "expert"
 
 
+def test_options_a_plan_cannot_run_are_refused_when_the_layer_is_built():
+    """A user trial: exchange='hierarchical' on a flat plan mesh and expert choice with
+    plan= were accepted by MoE(...) and refused at the first call, naming expert_axis
+    (which a plan= user never sets) or no fix. Both are refused at construction now,
+    naming what to do; the plan's own exchange on the node-split mesh still works."""
+    topo = two_nodes()
+    plan = make_plan(topo, ModelSpec(num_experts=8, top_k=2), groups=[list(range(8))])
+    cfg = MoEConfig(num_experts=8, top_k=2, d_model=D, d_ff=F)
+    with pytest.raises(ValueError, match=r"exchange='hierarchical' needs a plan mesh that "
+                                         r"splits.*mesh_from_plan\(plan, devices, topology="):
+        MoE(cfg.replace(exchange="hierarchical"), rngs=nnx.Rngs(0),
+            mesh=mesh_from_plan(plan, hierarchical=False), plan=plan)
+    with pytest.raises(ValueError, match="expert_choice.*use a token-choice router"):
+        MoE(cfg.replace(router="expert_choice"), rngs=nnx.Rngs(0),
+            mesh=mesh_from_plan(plan), plan=plan)
+    layer = MoE(cfg.replace(exchange="hierarchical"), rngs=nnx.Rngs(0),
+                mesh=mesh_from_plan(plan, topology=topo), plan=plan)
+    assert layer.ep_options.exchange == "hierarchical"
+
+
 def test_moe_module_carries_out_a_skewed_plan():
     plan = skewed_plan()
     mesh = mesh_from_plan(plan)

@@ -3,12 +3,13 @@
 import argparse
 import sys
 
+import numpy as np
 import pytest
 
 from aristax import cli
 from aristax.planner import Plan
 from aristax.planner.cli import parse_topology, register
-from aristax.planner.topology import perlmutter
+from aristax.planner.topology import perlmutter, uniform
 
 
 def parse(argv):
@@ -95,6 +96,25 @@ def test_bad_arguments_print_a_message_and_exit_2(tmp_path, capsys):
         assert err.count("\n") == 1 and "ModelSpec" not in err and "num_experts" not in err, err
 
 
+def test_preset_keyword_arguments():
+    """A user trial: a preset's keyword-only parameters (expert_capacity, flops...) could
+    not be given on the command line ("uniform:8,expert_capacity=2": "must be
+    integers"), so every small-E preset plan was groups of one device. They are taken
+    as key=value after the positional ones, checked by the preset's own signature."""
+    top = parse_topology("uniform:8,expert_capacity=2,flops=2e14")
+    want = uniform(8, expert_capacity=2, flops=2e14)
+    np.testing.assert_array_equal(top.expert_capacity, want.expert_capacity)
+    np.testing.assert_array_equal(top.flops, want.flops)
+    with pytest.raises(ValueError, match=r"too many positional.*num_devices, \*, alpha"):
+        parse_topology("uniform:8,2")
+    with pytest.raises(ValueError, match="unexpected keyword argument 'bogus'"):
+        parse_topology("uniform:8,bogus=2")
+    with pytest.raises(ValueError, match="expert_capacity=2.5 must be a number \\(int\\)"):
+        parse_topology("uniform:8,expert_capacity=2.5")
+    with pytest.raises(ValueError, match="positional ones come before key=value"):
+        parse_topology("uniform:expert_capacity=2,8")
+
+
 def test_bad_topology_spec():
     with pytest.raises(ValueError, match="preset"):
         parse_topology("nosuch:3")
@@ -104,7 +124,7 @@ def test_bad_topology_spec():
         parse_topology("perlmutter:1,2")
     with pytest.raises(ValueError, match="limit of 4096.*at most 1024 nodes"):
         parse_topology("perlmutter:100000")
-    with pytest.raises(ValueError, match="integers"):
+    with pytest.raises(ValueError, match="must be numbers, positional or key=value"):
         parse_topology("perlmutter:x")
     with pytest.raises(ValueError, match="does not exist"):
         parse_topology("missing.yaml")

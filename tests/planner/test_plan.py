@@ -260,6 +260,29 @@ def test_uniform_cluster_gets_equal_groups_that_a_mesh_takes():
         make_plan(top, model, equal_groups="yes")
 
 
+def test_equal_groups_share_one_layout_or_are_refused():
+    """A user trial: on one host with expert capacities 4,4,4,4,2,6,2,6 (E 8), make_plan(
+    equal_groups=True) kept groups of 2 whose devices differ, so LysiAssign laid the
+    experts out differently per group and the layer refused the plan. Such groupings
+    are now skipped (the plan's groups repeat one layout, which the layer's
+    expert_permutation takes), and given groups of unlike devices are refused."""
+    from aristax.parallel import expert_permutation
+
+    alpha = np.where(np.eye(8, dtype=bool), 0.0, 1e-5)
+    beta = np.where(np.eye(8, dtype=bool), 0.0, 1e-11)
+    top = Topology(alpha, beta, np.full(8, 1e14), np.array([4, 4, 4, 4, 2, 6, 2, 6]),
+                   node=np.zeros(8, int))
+    model = ModelSpec(num_experts=8, top_k=2, d_model=16, d_ff=32, tokens_per_device=8)
+    free = make_plan(top, model)
+    assert len(set(free.replicas)) > 1  # the fastest grouping overall lays out unlike
+    plan = make_plan(top, model, equal_groups=True)
+    assert len(set(plan.replicas)) == 1, plan.replicas
+    expert_permutation(plan)  # what MoE(plan=...) checks
+    with pytest.raises(ValueError, match="equal_groups=True but groups= gives groups of "
+                                         "unlike devices"):
+        make_plan(top, model, groups=[[0, 1], [2, 3], [4, 5], [6, 7]], equal_groups=True)
+
+
 def test_groups_of_matching_devices_repeat_the_first_groups_placement():
     """A user trial: 2 hosts of 4 devices, one fast device per host (local position 0
     on host 0, 1 on host 1); groups of 2 held the same expert sets at swapped
