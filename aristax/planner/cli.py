@@ -50,11 +50,11 @@ def parse_topology(spec: str) -> Topology:
     for item in args.split(",") if args else []:
         key, eq, text = item.rpartition("=")
         try:
-            value = int(text) if eq == "" or text.lstrip("+-").isdigit() else float(text)
+            value = int(text) if text.strip().lstrip("+-").isdigit() else float(text)
         except ValueError:
             raise ValueError(f"preset arguments in {spec!r} must be numbers, positional or "
-                             "key=value, e.g. heterogeneous_mix:1,2 or uniform:8,expert_capacity=2."
-                             ) from None
+                             "key=value, e.g. heterogeneous_mix:1,2 or "
+                             "uniform:8,expert_capacity=2.") from None
         if eq:
             keywords[key.strip()] = value
         elif keywords:
@@ -151,8 +151,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     """Add the ``plan`` subcommand to an argparse subparsers object (func=run)."""
     p = subparsers.add_parser("plan", help="plan expert parallelism for a cluster topology",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("topology", metavar="TOPOLOGY", help="topology .yaml/.json or preset[:args], e.g. perlmutter:4 or "
-                   "uniform:8,expert_capacity=2 (positional, then key=value)")
+    p.add_argument("topology", metavar="TOPOLOGY",
+                   help="topology .yaml/.json or preset[:args], e.g. perlmutter:4 or "
+                        "uniform:8,expert_capacity=2 (positional, then key=value)")
     p.add_argument("--experts", type=positive_int, default=64, help="number of experts E (default 64)")
     p.add_argument("--top-k", type=positive_int, default=2, help="experts per token K (default 2)")
     p.add_argument("--d-model", type=positive_int, default=1024, help="model dim D (default 1024)")
