@@ -225,12 +225,23 @@ def _check_equal(groups, equal_groups: bool, what: str) -> None:
                          "groups of one size, or select='best' to choose among equal ones.")
 
 
+# Why equal_groups=True refuses a grouping: the layer replicates its expert weights over
+# the groups, so every group must lay the experts out alike.
+_UNLIKE_LAYOUTS = ("groups of unlike devices (FLOP/s, expert capacity), whose expert layouts "
+                   "differ, and the layer needs one")
+
+
+def _one_layout(layouts) -> bool:
+    """Whether every group's per-device slots (``Plan.replicas``' form) equal the first's."""
+    first, *rest = [tuple(map(tuple, layout)) for layout in layouts]
+    return all(layout == first for layout in rest)
+
+
 def _check_layout(plan: Plan, equal_groups: bool, what: str) -> Plan:
-    if equal_groups and len(set(plan.replicas)) > 1:
-        raise ValueError(f"equal_groups=True but {what} gives groups of unlike devices (FLOP/s, "
-                         "expert capacity), whose expert layouts differ, and the layer needs "
-                         "one; pass groups of matching devices, or select='best' to choose "
-                         "among groupings that share one layout.")
+    if equal_groups and not _one_layout(plan.replicas):
+        raise ValueError(f"equal_groups=True but {what} gives {_UNLIKE_LAYOUTS}; pass groups "
+                         "of matching devices, or select='best' to choose among groupings "
+                         "that share one layout.")
     return plan
 
 
@@ -256,11 +267,10 @@ def _fastest(candidates: dict, topology: Topology, model: ModelSpec, equal_group
         except ValueError as error:  # e.g. num_replicas not a multiple of the group sizes
             errors.append(error)
             continue
-        if equal_groups and not _one_layout(slots):
+        if equal_groups and not _one_layout([sl for _, sl in slots]):
             errors.append(ValueError(
-                f"equal_groups=True: grouping {kind!r} has groups of unlike devices (FLOP/s, "
-                "expert capacity), so their expert layouts differ, and the layer needs one; "
-                "pass groups= of devices with matching FLOP/s and capacity"))
+                f"equal_groups=True: grouping {kind!r} has {_UNLIKE_LAYOUTS}; pass groups= "
+                "of devices with matching FLOP/s and capacity"))
             continue
         layers = [group_layer_time(sl, g, topology, model) for g, sl in slots]
         times[kind] = iteration_time(layers, groups, topology, model)[2]
@@ -269,13 +279,6 @@ def _fastest(candidates: dict, topology: Topology, model: ModelSpec, equal_group
     if best is None:
         raise errors[0]
     return best, times
-
-
-def _one_layout(slots: list[tuple[list[int], list]]) -> bool:
-    """Whether every group lays its slots out as the first does (device by device), as
-    the layer needs: its expert weights are replicated over the groups."""
-    first = [list(xs) for xs in slots[0][1]]
-    return all([list(xs) for xs in sl] == first for _, sl in slots[1:])
 
 
 def _group_slots(topology: Topology, model: ModelSpec, groups, *, assign: str, seed: int
